@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, GPU tests, benchmark. Results land in $OUT.
+#   QUACK_JAX_CACHE=.cubins bash benchmarks/device_run.sh [tests] [bench] [tune]
+# The cubin cache comes from `python benchmarks/prebuild.py --cache .cubins [--tune]`
+# on a CPU machine; the GPU machine has no CuTe-DSL.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 QUACK_JAX_CACHE=${QUACK_JAX_CACHE:-.cubins}
+OUT=${OUT:-/tmp/quack_jax_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
+    --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
+if ! python3 -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+    tail -20 "$OUT/install.log"; exit 1
+fi
+status=0
+for step in "$@"; do
+    case $step in
+    tests) python3 -m pytest -m gpu -q -rs --maxfail=10 -p no:cacheprovider tests \
+               2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
+    bench) python3 benchmarks/run.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    tune) python3 benchmarks/run.py --tune --reps 5 --out "$OUT/tune" \
+              2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    esac
+done
+exit $status

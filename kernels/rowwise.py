@@ -1,0 +1,234 @@
+"""What every row-wise kernel shares: the CTA tile, its per-thread partition, and the
+reduction of per-warp partials across the CTA and the cluster.
+
+Layout of the work (see ``quack_jax._tiling.RowTiling``): CTA ``(bx, r)`` of cluster rank
+``r`` owns rows ``[bx * R, bx * R + R)`` and columns ``[r * C, r * C + C)`` of the row-major
+``(M, n)`` tensors. Tiles are addressed from 64-bit offsets, so ``M * n`` may exceed 2**31.
+
+Naming follows CuTe: ``g`` global tile, ``r`` registers, ``s`` shared; ``tXgX`` is this
+thread's partition of ``gX``, ``tXcX`` its coordinates, ``tXpX`` its column predicates.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, const_expr
+
+from quack_jax._tiling import RowTiling
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+class RowKernel:
+    """Base of the row-wise kernels: ``words`` float32 values per warp are reduced."""
+
+    words = 1
+
+    def __init__(self, dtype: type[cutlass.Numeric], tiling: RowTiling):
+        self.dtype = dtype
+        self.tiling = tiling
+        self.even_cols = tiling.cols_per_cta * tiling.cluster_n == tiling.n
+        self.needs_buffer = tiling.warps_per_row > 1 or tiling.cluster_n > 1
+        self.smem_bytes = tiling.smem_bytes(self.words)
+
+    def launch_args(self, m):
+        t = self.tiling
+        return dict(
+            grid=[cute.ceil_div(m, t.rows_per_cta), t.cluster_n, 1],
+            block=list(t.block),
+            cluster=list(t.cluster) if const_expr(t.cluster_n > 1) else None,
+            smem=self.smem_bytes,
+        )
+
+    # -- the tile and its partition ---------------------------------------------------
+
+    def copies(self):
+        """The vector copy atom, and its tiling: rows of threads, each thread ``vec`` columns."""
+        t = self.tiling
+        atom = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=t.vec * self.dtype.width
+        )
+        threads = cute.make_ordered_layout((t.rows_per_cta, t.threads_per_row), order=(1, 0))
+        return atom, cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, t.vec)))
+
+    def cta_tile(self, ptr: cute.Pointer, row0: Int32, col0: Int32) -> cute.Tensor:
+        """The (R, C) tile of a row-major (M, n) tensor starting at (row0, col0)."""
+        t = self.tiling
+        offset = Int64(row0) * t.n + Int64(col0)
+        nbytes = self.dtype.width // 8
+        base = cute.make_ptr(
+            self.dtype,
+            ptr.toint() + offset * nbytes,
+            cute.AddressSpace.gmem,
+            assumed_align=t.vec * nbytes,
+        )
+        return cute.make_tensor(
+            base, cute.make_layout((t.rows_per_cta, t.cols_per_cta), stride=(t.n, 1))
+        )
+
+    @cute.jit
+    def column_predicates(self, tXcX: cute.Tensor, col0: Int32) -> cute.Tensor:
+        """One predicate per vector: is its first column inside the row?"""
+        tXpX = cute.make_rmem_tensor(
+            cute.make_layout(
+                (
+                    cute.size(tXcX, mode=[0, 1]),
+                    cute.size(tXcX, mode=[1]),
+                    cute.size(tXcX, mode=[2]),
+                ),
+                stride=(cute.size(tXcX, mode=[2]), 0, 1),
+            ),
+            cutlass.Boolean,
+        )
+        for v in cutlass.range_constexpr(cute.size(tXpX, mode=[0])):
+            for k in cutlass.range_constexpr(cute.size(tXpX, mode=[2])):
+                tXpX[v, 0, k] = cute.elem_less(col0 + tXcX[(0, v), 0, k][1], self.tiling.n)
+        return tXpX
+
+    # -- reductions ---------------------------------------------------------------------
+
+    def row_group_reduce(self, val, op):
+        """Reduce over the lanes of a warp that share a row."""
+        tpr = self.tiling.threads_per_row
+        return cute.arch.warp_reduction(val, op, threads_in_group=min(tpr, cute.arch.WARP_SIZE))
+
+    def allocate_reduction(self, smem):
+        """The mbarrier (clusters only) and the buffer of (rows, warps x ranks, words) partials."""
+        t = self.tiling
+        mbar = None
+        if const_expr(t.cluster_n > 1):
+            mbar = smem.allocate_array(Int64, num_elems=2)
+        buf = None
+        if const_expr(self.needs_buffer):
+            buf = smem.allocate_tensor(
+                Float32,
+                cute.make_ordered_layout(
+                    (t.rows_per_cta, t.warps_per_row * t.cluster_n, self.words), order=(2, 1, 0)
+                ),
+                byte_alignment=16,
+            )
+        return buf, mbar
+
+    @cute.jit
+    def init_cluster(self, mbar):
+        """Arm the cluster barrier; peers must not store into us before this."""
+        if const_expr(self.tiling.cluster_n > 1):
+            if cute.arch.thread_idx()[0] == 0:
+                cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.cluster_arrive_relaxed()
+
+    @cute.jit
+    def publish(self, vals, buf, mbar):
+        """Each warp stores its row's partials in slot (row, warp, rank) of all cluster CTAs."""
+        t = self.tiling
+        lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
+        row, wcol = warp // t.warps_per_row, warp % t.warps_per_row
+        if const_expr(t.cluster_n == 1):
+            if lane == 0:
+                for j in cutlass.range_constexpr(self.words):
+                    buf[row, wcol, j] = vals[j]
+            cute.arch.barrier()
+        else:
+            rank = cute.arch.block_idx_in_cluster()
+            cute.arch.cluster_wait()
+            if warp == 0:
+                with cute.arch.elect_one():
+                    nbytes = t.reduction_slots() * self.words * 4
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
+            if lane < t.cluster_n:
+                slot = buf.iterator + cute.crd2idx((row, wcol * t.cluster_n + rank, 0), buf.layout)
+                store_remote(vals, slot, mbar, lane)
+            cute.arch.mbarrier_wait(mbar, 0)
+
+    @cute.jit
+    def gathered(self, buf, j: cutlass.Constexpr[int], fill: float):
+        """Word j of the partials this lane reads back: slots lane, lane + 32, ..."""
+        t = self.tiling
+        slots = t.warps_per_row * t.cluster_n
+        row = cute.arch.warp_idx() // t.warps_per_row
+        lane = cute.arch.lane_idx()
+        iters = const_expr(-(-slots // cute.arch.WARP_SIZE))
+        out = cute.make_rmem_tensor(iters, Float32)
+        out.fill(fill)
+        for i in cutlass.range_constexpr(iters):
+            if lane + i * cute.arch.WARP_SIZE < slots:
+                out[i] = buf[row, lane + i * cute.arch.WARP_SIZE, j]
+        return out
+
+    @cute.jit
+    def row_sum(self, x: cute.TensorSSA, buf, mbar) -> Float32:
+        """Sum of a row, from this thread's values ``x``."""
+        total = self.row_group_reduce(
+            x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
+        )
+        if const_expr(self.needs_buffer):
+            self.publish((total,), buf, mbar)
+            parts = self.gathered(buf, 0, 0.0)
+            total = cute.arch.warp_reduction(
+                parts.load().reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                operator.add,
+            )
+        return total
+
+    @cute.jit
+    def row_max_sumexp(self, x: cute.TensorSSA, buf, mbar):
+        """(max, sum of exp(x - max), exp(x - max)) of a row, in one round trip.
+
+        An all -inf row gives max -inf and sum 0, so softmax of it is NaN as in
+        ``jax.nn.softmax``; a NaN or +inf anywhere makes the sum NaN.
+        """
+        m = self.row_group_reduce(
+            x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
+            cute.arch.fmax,
+        )
+        e = cute.math.exp2(x * LOG2_E - finite_or_zero(m) * LOG2_E, fastmath=True)
+        s = self.row_group_reduce(
+            e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
+        )
+        if const_expr(self.needs_buffer):
+            self.publish((m, s), buf, mbar)
+            ms = self.gathered(buf, 0, -Float32.inf)
+            ss = self.gathered(buf, 1, 0.0)
+            m_row = cute.arch.warp_reduction(
+                ms.load().reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
+                cute.arch.fmax,
+            )
+            base = finite_or_zero(m_row) * LOG2_E
+            s_row = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(ss)):
+                s_row += ss[i] * cute.math.exp2(ms[i] * LOG2_E - base, fastmath=True)
+            s_row = cute.arch.warp_reduction(s_row, operator.add)
+            e = e * cute.math.exp2(m * LOG2_E - base, fastmath=True)
+            m, s = m_row, s_row
+        return m, s, e
+
+
+def finite_or_zero(m: Float32) -> Float32:
+    """The shift used for exp: a max of -inf (an all -inf or all-padding slice) shifts by 0."""
+    return cutlass.select_(m == -Float32.inf, Float32(0.0), m)
+
+
+@cute.jit
+def store_remote(vals, slot: cute.Pointer, mbar: cute.Pointer, peer: Int32):
+    """st.async float32 words ``vals`` to ``slot`` in CTA ``peer``, completing on its mbarrier."""
+    addr = Int32(cute.arch.map_dsmem_ptr(slot, peer).toint())
+    bar = Int32(cute.arch.map_dsmem_ptr(mbar, peer).toint())
+    k = const_expr(len(vals))
+    if const_expr(k == 1):
+        cute.arch.inline_ptx(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
+            read_only_args=[addr, Float32(vals[0]), bar],
+        )
+    else:
+        cute.arch.inline_ptx(
+            "{\n\t.reg .v2 .f32 ab;\n\tmov.f32 ab.x, {$r1};\n\tmov.f32 ab.y, {$r2};\n\t"
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 "
+            "[{$r0}], ab, [{$r3}];\n\t}",
+            read_only_args=[addr, Float32(vals[0]), Float32(vals[1]), bar],
+        )

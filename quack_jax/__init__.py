@@ -1,0 +1,12 @@
+"""quack_jax: memory-bound kernels for JAX at the bandwidth limit of Hopper GPUs.
+
+On a CUDA device with compute capability 9.0 the ops run CuTe-DSL kernels compiled to
+cubins and launched through an XLA FFI custom call; everywhere else they run an XLA
+reference with the same semantics.
+"""
+
+from ._cache import MissingKernelError
+from .softmax import log_softmax, softmax
+
+__version__ = "0.1.0"
+__all__ = ["MissingKernelError", "log_softmax", "softmax"]

@@ -1,0 +1,154 @@
+"""The on-disk cubin cache.
+
+One JSON file per kernel configuration holds the cubin (base64), its kernel symbol, its
+dynamic shared memory and a SHA-256 of the cubin. Files are named by op, dtype, row
+length, tiling, arch, a hash of the kernel sources and the CuTe-DSL version that built
+them, written atomically (temporary file, then rename), and checked against their
+SHA-256 when read, so concurrent writers and torn files are both harmless.
+
+The folder is ``$QUACK_JAX_CACHE``, else ``$XDG_CACHE_HOME/quack_jax``, else
+``~/.cache/quack_jax``. On a miss the kernel is compiled with CuTe-DSL, imported only
+then; without CuTe-DSL a miss is an error that names the config and the build command.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import tempfile
+import threading
+import warnings
+
+from ._tiling import RowTiling
+
+
+class MissingKernelError(RuntimeError):
+    """A kernel configuration is not in the cache and CuTe-DSL is not installed to build it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CubinKernel:
+    op: str
+    symbol: str
+    cubin: bytes
+    smem_bytes: int
+
+    @property
+    def digest(self) -> int:
+        """A signed 64-bit digest of cubin and symbol: the launcher's module-cache key."""
+        h = hashlib.sha256(self.cubin + self.symbol.encode()).digest()
+        return int.from_bytes(h[:8], "little", signed=True)
+
+
+def cache_dir() -> pathlib.Path:
+    if path := os.environ.get("QUACK_JAX_CACHE"):
+        return pathlib.Path(path)
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "quack_jax"
+
+
+def dsl_version() -> str | None:
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+_source_hash: str | None = None
+
+
+def source_hash() -> str:
+    """Hash of everything that decides a cubin's contents: the kernels and the tiling."""
+    global _source_hash
+    if _source_hash is None:
+        spec = importlib.util.find_spec("quack_jax.kernels")
+        kernel_dir = pathlib.Path(next(iter(spec.submodule_search_locations)))
+        files = [*sorted(kernel_dir.glob("*.py")), pathlib.Path(__file__).with_name("_tiling.py")]
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+        _source_hash = h.hexdigest()[:16]
+    return _source_hash
+
+
+def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
+    return f"{op}-{dtype}-n{tiling.n}-{tiling.tag}-{arch}-{source_hash()}"
+
+
+def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
+    family = op.removesuffix("_fwd").removesuffix("_bwd").removeprefix("log_")
+    return (
+        f"python -m quack_jax.build --arch {arch} --ops {family} --dtypes {dtype} "
+        f"--sizes {tiling.n}"
+    )
+
+
+_memory: dict[tuple, CubinKernel] = {}
+_lock = threading.Lock()
+
+
+def _read(path: pathlib.Path, op: str) -> CubinKernel | None:
+    try:
+        entry = json.loads(path.read_text())
+        cubin = base64.b64decode(entry["cubin"])
+        if hashlib.sha256(cubin).hexdigest() != entry["sha256"]:
+            return None
+        return CubinKernel(op, entry["symbol"], cubin, int(entry["smem_bytes"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write(path: pathlib.Path, kernel: CubinKernel, version: str) -> None:
+    entry = {
+        "symbol": kernel.symbol,
+        "smem_bytes": kernel.smem_bytes,
+        "dsl_version": version,
+        "sha256": hashlib.sha256(kernel.cubin).hexdigest(),
+        "cubin": base64.b64encode(kernel.cubin).decode(),
+    }
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(entry, f)
+        os.replace(f.name, path)
+    except OSError as e:
+        warnings.warn(
+            f"quack_jax: cannot write the kernel cache at {path.parent}: {e}", stacklevel=3
+        )
+
+
+def get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str) -> CubinKernel:
+    """The cubin for one configuration: from memory, the cache folder, or a fresh compile."""
+    key = (op, dtype, tiling, arch, os.environ.get("QUACK_JAX_CACHE"))
+    with _lock:
+        if key in _memory:
+            return _memory[key]
+        stem = entry_stem(op, dtype, tiling, arch)
+        folder = cache_dir()
+        version = dsl_version()
+        # Without CuTe-DSL any build of these sources will do; with it, only its own.
+        pattern = f"{stem}-dsl{version}.json" if version else f"{stem}-dsl*.json"
+        for path in sorted(folder.glob(pattern)):
+            if kernel := _read(path, op):
+                _memory[key] = kernel
+                return kernel
+        if version is None:
+            raise MissingKernelError(
+                f"quack_jax has no cubin for {op} ({dtype}, n={tiling.n}, {tiling.tag}, {arch}) "
+                f"in {folder}, and nvidia-cutlass-dsl is not installed to compile it. Install "
+                f"it with `pip install 'quack-jax[cuda]'`, or build the cubin elsewhere with "
+                f"`{build_command(op, dtype, tiling, arch)}` and point QUACK_JAX_CACHE at it."
+            )
+        from . import kernels
+
+        compiled = kernels.compile_kernel(op, dtype, tiling, arch)
+        kernel = CubinKernel(op, compiled.symbol, compiled.cubin, compiled.smem_bytes)
+        _write(folder / f"{stem}-dsl{version}.json", kernel, version)
+        _memory[key] = kernel
+        return kernel

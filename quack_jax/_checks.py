@@ -1,0 +1,37 @@
+"""Trace-time validation of public arguments: clear errors that name the argument."""
+
+from __future__ import annotations
+
+import operator
+
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def float_array(fn: str, name: str, x):
+    """``x`` as a JAX array of a floating dtype with at least one dimension."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or isinstance(x, type):
+        raise TypeError(
+            f"{fn}: {name} must be an array (jax.Array or numpy.ndarray), got {type(x).__name__}"
+        )
+    dtype = np.dtype(x.dtype)
+    if dtype.name not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{fn}: {name} must have a floating dtype ({', '.join(FLOAT_DTYPES)}), got {dtype.name}"
+        )
+    if len(x.shape) < 1:
+        raise ValueError(f"{fn}: {name} must have at least one dimension, got a scalar")
+    return jnp.asarray(x)
+
+
+def axis_index(fn: str, axis, ndim: int) -> int:
+    """``axis`` normalised to [0, ndim)."""
+    try:
+        index = operator.index(axis)
+    except TypeError:
+        raise TypeError(f"{fn}: axis must be an int, got {type(axis).__name__}") from None
+    if not -ndim <= index < ndim:
+        raise ValueError(f"{fn}: axis {axis} is out of range for an array of rank {ndim}")
+    return index % ndim

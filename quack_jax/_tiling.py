@@ -1,0 +1,209 @@
+"""Launch geometry of the row-wise kernels, shared by the runtime and by ``kernels/``.
+
+A row of ``n`` elements is split across ``cluster_n`` CTAs of a cluster; inside a CTA,
+``threads_per_row`` threads share a row and each holds ``vecs_per_thread`` vectors of
+``vec`` elements, strided so that a warp's accesses are contiguous. One CTA holds
+``rows_per_cta`` rows. Everything here is plain Python: the runtime computes grids and
+shared-memory sizes from it without importing CuTe-DSL, and the kernels read the same
+numbers, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+
+WARP = 32
+MAX_CLUSTER = 16
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Row-kernel families and what their reduction exchanges per warp (float32 words).
+REDUCTION_WORDS = {"softmax_fwd": 2, "softmax_bwd": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiling:
+    n: int
+    vec: int
+    threads_per_row: int
+    num_threads: int
+    cluster_n: int
+
+    def __post_init__(self):
+        tpr, nt, cl = self.threads_per_row, self.num_threads, self.cluster_n
+        problems = []
+        if self.n < 1:
+            problems.append("n must be positive")
+        if self.vec < 1 or self.n % self.vec:
+            problems.append("vec must divide n")
+        if tpr < 1 or tpr & (tpr - 1) or tpr > nt:
+            problems.append("threads_per_row must be a power of two <= num_threads")
+        if nt % WARP or nt > 1024 or nt % tpr:
+            problems.append("num_threads must be a multiple of 32, of threads_per_row, <= 1024")
+        if cl not in (1, 2, 4, 8, 16):
+            problems.append("cluster_n must be 1, 2, 4, 8 or 16")
+        if cl > 1 and tpr < WARP:
+            problems.append("a cluster needs at least a warp per row")
+        if not problems and cl > 1 and (cl - 1) * self.cols_per_cta >= self.n:
+            problems.append("every CTA of a cluster must own part of the row")
+        if problems:
+            raise ValueError(f"invalid {self}: " + "; ".join(problems))
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_threads // self.threads_per_row
+
+    @property
+    def vecs_per_thread(self) -> int:
+        return -(-self.n // (self.vec * self.threads_per_row * self.cluster_n))
+
+    @property
+    def elems_per_thread(self) -> int:
+        return self.vecs_per_thread * self.vec
+
+    @property
+    def cols_per_cta(self) -> int:
+        return self.elems_per_thread * self.threads_per_row
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(self.threads_per_row // WARP, 1)
+
+    def grid(self, m: int) -> tuple[int, int, int]:
+        return (-(-m // self.rows_per_cta), self.cluster_n, 1)
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.num_threads, 1, 1)
+
+    @property
+    def cluster(self) -> tuple[int, int, int]:
+        return (1, self.cluster_n, 1)
+
+    def reduction_slots(self) -> int:
+        """Slots of the shared reduction buffer: one per (row, warp of the row, cluster rank)."""
+        return self.rows_per_cta * self.warps_per_row * self.cluster_n
+
+    def smem_bytes(self, words: int) -> int:
+        """Dynamic shared memory: the mbarrier (clusters only), then the reduction buffer."""
+        needs_buffer = self.warps_per_row > 1 or self.cluster_n > 1
+        buffer = self.reduction_slots() * words * 4 if needs_buffer else 0
+        return (16 if self.cluster_n > 1 else 0) + _round_up(buffer, 16)
+
+    @property
+    def tag(self) -> str:
+        return f"t{self.threads_per_row}x{self.num_threads}c{self.cluster_n}v{self.vec}"
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
+
+
+def max_vec(n: int, itemsize: int) -> int:
+    """Widest access (elements, at most 16 bytes) that keeps every row start aligned."""
+    return math.gcd(16 // itemsize, n)
+
+
+def make_tiling(n: int, itemsize: int, threads_per_row: int, num_threads: int, cluster_n: int):
+    """A tiling for rows of ``n`` elements, shrunk to fit small rows."""
+    vec = max_vec(n, itemsize)
+    vectors = -(-n // vec)
+    threads_per_row = min(threads_per_row, _pow2_at_least(vectors))
+    while cluster_n > 1 and vectors // threads_per_row < cluster_n:
+        cluster_n //= 2
+    if threads_per_row < WARP:
+        cluster_n = 1
+    return RowTiling(n, vec, threads_per_row, num_threads, cluster_n)
+
+
+def _pick(n: int, table: list[tuple[int, int]], last: int) -> int:
+    for limit, value in table:
+        if n <= limit:
+            return value
+    return last
+
+
+# Tables start from QuACK's H100 choices; benchmarks/NOTES.md records the H200 tuning.
+_FWD_THREADS_PER_ROW = [(64, 8), (128, 16), (3072, 32), (6144, 64), (16384, 128)]
+_BWD_THREADS_PER_ROW = [(64, 8), (128, 16), (3072, 32), (6144, 64), (8192, 128)]
+_K = 1024
+_CLUSTER_16BIT = [(16 * _K, 1), (32 * _K, 2), (64 * _K, 4), (128 * _K, 8)]
+_CLUSTER_32BIT_FWD = [(32 * _K, 1), (64 * _K, 2), (128 * _K, 4), (256 * _K, 8)]
+_CLUSTER_32BIT_BWD = _CLUSTER_16BIT
+# Register budget: the values a thread keeps live, beyond which the kernel would spill.
+_MAX_ELEMS_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 64}
+
+
+_overrides: dict[tuple[str, int, int], RowTiling] = {}
+
+
+@contextlib.contextmanager
+def override_tiling(family: str, n: int, itemsize: int, tiling: RowTiling):
+    """Use ``tiling`` for this kernel family and size while tracing inside the block (tuning)."""
+    key = (family, n, itemsize)
+    previous = _overrides.get(key)
+    _overrides[key] = tiling
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _overrides[key]
+        else:
+            _overrides[key] = previous
+
+
+def candidate_tilings(family: str, n: int, itemsize: int) -> list[RowTiling]:
+    """The tilings the benchmark's tuner tries: for every mix of threads per row and CTA
+    size, the two smallest clusters that fit the register budget, keeping each thread at
+    least 32 elements (or 8 vectors) so that enough loads are in flight."""
+    budget = _MAX_ELEMS_PER_THREAD[family]
+    vec = max_vec(n, itemsize)
+    out = []
+    for tpr, threads in itertools.product((8, 16, 32, 64, 128, 256, 512), (128, 256, 512)):
+        fitting = []
+        for cluster in (1, 2, 4, 8, 16):
+            try:
+                tiling = RowTiling(n, vec, tpr, threads, cluster)
+            except ValueError:
+                continue
+            if min(8 * vec, 32) <= tiling.elems_per_thread <= budget:
+                fitting.append(tiling)
+        out += fitting[:2]
+    return out
+
+
+def choose_tiling(family: str, n: int, itemsize: int) -> RowTiling | None:
+    """The tiling for a kernel family, or None when ``n`` is beyond what the kernels hold on chip.
+
+    Starts from the tables, then spreads a row over more threads, and then over more CTAs,
+    until each thread's share fits its register budget.
+    """
+    if tiling := _overrides.get((family, n, itemsize)):
+        return tiling
+    if family == "softmax_fwd":
+        tpr = _pick(n, _FWD_THREADS_PER_ROW, 256)
+        threads = 128 if n <= 16 * _K else 256
+        cluster = _pick(n, _CLUSTER_16BIT if itemsize == 2 else _CLUSTER_32BIT_FWD, MAX_CLUSTER)
+    elif family == "softmax_bwd":
+        tpr = _pick(n, _BWD_THREADS_PER_ROW, 256)
+        threads = 128 if n <= 8 * _K else 256
+        cluster = _pick(n, _CLUSTER_16BIT if itemsize == 2 else _CLUSTER_32BIT_BWD, MAX_CLUSTER)
+    else:
+        raise ValueError(f"unknown kernel family {family!r}")
+    budget = _MAX_ELEMS_PER_THREAD[family]
+    while True:
+        tiling = make_tiling(n, itemsize, tpr, threads, cluster)
+        if tiling.elems_per_thread <= budget:
+            return tiling
+        if tpr < 256:
+            tpr *= 2
+            threads = max(threads, tpr)
+        elif cluster < MAX_CLUSTER:
+            cluster *= 2
+        else:
+            return None

@@ -1,0 +1,107 @@
+"""Softmax and log-softmax with fused forward and derivative kernels.
+
+``_forward`` computes y from x. ``_derivative`` is linear in its first operand t, given
+y: for softmax ``y * (t - sum(t * y))``, which is its own transpose; for log-softmax the
+forward-mode form ``t - sum(exp(y) * t)`` and its transpose ``t - exp(y) * sum(t)``.
+``jax.grad`` therefore runs one forward kernel and one backward kernel, and ``jax.jvp``
+one forward and one tangent kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.interpreters import ad
+
+from ._checks import axis_index, float_array
+from ._primitive import RowwisePrimitive
+
+_KERNEL_OPS = {"softmax": "softmax_bwd", "log_vjp": "log_softmax_bwd", "log_jvp": "log_softmax_jvp"}
+_TRANSPOSED = {"softmax": "softmax", "log_vjp": "log_jvp", "log_jvp": "log_vjp"}
+
+
+def _compute_dtype(x):
+    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
+    return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def _reference_forward(x, *, log: bool):
+    x32 = x.astype(_compute_dtype(x))
+    return ((jax.nn.log_softmax(x32) if log else jax.nn.softmax(x32)).astype(x.dtype),)
+
+
+def _reference_derivative(t, y, *, kind: str):
+    t32, y32 = t.astype(_compute_dtype(t)), y.astype(_compute_dtype(t))
+    if kind == "softmax":
+        out = y32 * (t32 - jnp.sum(t32 * y32, axis=-1, keepdims=True))
+    elif kind == "log_vjp":
+        out = t32 - jnp.exp(y32) * jnp.sum(t32, axis=-1, keepdims=True)
+    else:
+        out = t32 - jnp.sum(jnp.exp(y32) * t32, axis=-1, keepdims=True)
+    return (out.astype(t.dtype),)
+
+
+def _forward_jvp(primals, tangents, *, log):
+    (x,), (x_dot,) = primals, tangents
+    y = _forward.bind(x, log=log)
+    y_dot = _derivative.bind(
+        ad.instantiate_zeros(x_dot), y[0], kind="log_jvp" if log else "softmax"
+    )
+    return y, y_dot
+
+
+def _derivative_transpose(cts, t, y, *, kind):
+    (ct,) = cts
+    assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(y)
+    if type(ct) is ad.Zero:
+        return [None, None]
+    return [_derivative.bind(ct, y, kind=_TRANSPOSED[kind])[0], None]
+
+
+_forward = RowwisePrimitive(
+    "quack_jax_softmax",
+    family="softmax_fwd",
+    kernel_op=lambda log: "log_softmax_fwd" if log else "softmax_fwd",
+    reference=_reference_forward,
+    jvp=_forward_jvp,
+)
+_derivative = RowwisePrimitive(
+    "quack_jax_softmax_derivative",
+    family="softmax_bwd",
+    kernel_op=lambda kind: _KERNEL_OPS[kind],
+    reference=_reference_derivative,
+    transpose=_derivative_transpose,
+)
+
+
+def _apply(fn: str, x, axis, log: bool):
+    x = float_array(fn, "x", x)
+    axis = axis_index(fn, axis, x.ndim)
+    if axis == x.ndim - 1:
+        return _forward.bind(x, log=log)[0]
+    return jnp.moveaxis(_forward.bind(jnp.moveaxis(x, axis, -1), log=log)[0], -1, axis)
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Softmax over ``axis``: ``exp(x - max) / sum(exp(x - max))``.
+
+    Args:
+      x: array of any rank >= 1, float32, bfloat16 or float16 (float64 runs the XLA
+        reference). Math is in float32; the result has ``x``'s dtype and shape.
+      axis: the axis to normalise over. The last axis is fastest; any other is moved
+        last and back, which costs a transpose on each side.
+
+    NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
+    or only -inf, gives NaN). Differentiable to any order; ``jax.grad`` runs one fused
+    backward kernel ``dx = y * (dy - sum(dy * y))``.
+    """
+    return _apply("softmax", x, axis, log=False)
+
+
+def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Log-softmax over ``axis``: ``x - max - log(sum(exp(x - max)))``.
+
+    Same arguments, dtypes and special values as :func:`softmax`; ``jax.grad`` runs one
+    fused backward kernel ``dx = dy - exp(y) * sum(dy)``.
+    """
+    return _apply("log_softmax", x, axis, log=True)

@@ -1,0 +1,40 @@
+"""Test set-up: 8 host devices for the sharding tests; the ``gpu`` marker.
+
+Tests without the ``gpu`` marker run on the CPU device, so they exercise the XLA
+fallback wherever they run; ``gpu`` tests need a CUDA device with quack_jax kernels
+(compute capability 9.0) and are skipped elsewhere.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+
+import jax
+import pytest
+
+
+def kernel_devices():
+    try:
+        return [d for d in jax.devices("cuda") if d.compute_capability == "9.0"]
+    except RuntimeError:
+        return []
+
+
+def pytest_collection_modifyitems(config, items):
+    if kernel_devices():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with compute capability 9.0")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu(request):
+    if "gpu" in request.keywords:
+        yield
+    else:
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield

@@ -1,0 +1,173 @@
+"""Everything about building that runs without a GPU: every kernel the GPU tests and the
+benchmarks use compiles to an sm_90a cubin; the cache; the build command; the FFI
+library; and the lowering that launches a kernel when compiling for a CUDA device."""
+
+import base64
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import quack_jax
+from quack_jax import _cache, _ffi
+from quack_jax._tiling import RowTiling, choose_tiling
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EM_CUDA = 190
+
+
+def cubin_arch(cubin: bytes) -> int:
+    """The SM version an ELF cubin was built for (bits 8-15 of e_flags)."""
+    assert cubin[:4] == b"\x7fELF"
+    assert int.from_bytes(cubin[18:20], "little") == EM_CUDA
+    return (int.from_bytes(cubin[48:52], "little") >> 8) & 0xFF
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUACK_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(_cache, "_memory", {})
+    return tmp_path
+
+
+def test_every_test_and_benchmark_kernel_compiles(cache):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import prebuild
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    specs = prebuild.specs()
+    assert len(specs) > 100
+    prebuild.build(specs, "sm_90a", verbose=False)
+    entries = sorted(cache.glob("*.json"))
+    assert len(entries) == len(specs)
+    for path in entries:
+        entry = json.loads(path.read_text())
+        assert cubin_arch(base64.b64decode(entry["cubin"])) == 90
+        assert entry["symbol"].startswith("kernel_")
+
+
+def test_cache_reuses_and_repairs_entries(cache):
+    tiling = choose_tiling("softmax_fwd", 4096, 2)
+    first = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
+    (path,) = cache.glob("*.json")
+    assert cubin_arch(first.cubin) == 90
+    _cache._memory.clear()
+    assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == first
+    path.write_text(path.read_text()[:200])  # a torn write
+    _cache._memory.clear()
+    assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == first
+    assert json.loads(path.read_text())["sha256"]
+
+
+def test_missing_kernel_without_cutlass_names_the_build_command(cache, monkeypatch):
+    monkeypatch.setattr(_cache, "dsl_version", lambda: None)
+    tiling = choose_tiling("softmax_bwd", 5000, 4)
+    with pytest.raises(quack_jax.MissingKernelError) as info:
+        _cache.get_kernel("softmax_bwd", "float32", tiling, "sm_90a")
+    message = str(info.value)
+    assert "n=5000" in message and "quack-jax[cuda]" in message
+    assert "python -m quack_jax.build --arch sm_90a --ops softmax --dtypes float32" in message
+
+
+def test_build_command(cache):
+    cmd = [
+        sys.executable,
+        "-m",
+        "quack_jax.build",
+        "--cache",
+        str(cache),
+        "--ops",
+        "softmax",
+        "--dtypes",
+        "float16",
+        "--sizes",
+        "7",
+        "65536",
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    assert "4 kernels ready" in out
+    assert len(list(cache.glob("*float16-n65536-*.json"))) == 2
+
+
+def test_tiling_rules():
+    with pytest.raises(ValueError, match="cluster needs at least a warp"):
+        RowTiling(1024, 8, 16, 128, 2)
+    with pytest.raises(ValueError, match="vec must divide n"):
+        RowTiling(1000, 16, 32, 128, 1)
+    for n in (1, 7, 100, 1000, 5000, 131071, 262144):
+        for itemsize in (2, 4):
+            for family in ("softmax_fwd", "softmax_bwd"):
+                t = choose_tiling(family, n, itemsize)
+                assert t.vec * itemsize <= 16 and n % t.vec == 0
+                assert t.cols_per_cta * t.cluster_n >= n > t.cols_per_cta * (t.cluster_n - 1)
+    assert choose_tiling("softmax_bwd", 2**20, 4) is None
+
+
+def test_ffi_library_loads_and_registers():
+    lib = _ffi.load_library()
+    assert lib.QuackJaxLaunch and lib.QuackJaxLaunchInitialize
+    _ffi.register_target()
+
+
+def test_ffi_library_builds_without_cuda(tmp_path):
+    include = pathlib.Path(jax.ffi.include_dir())
+    out = tmp_path / "lib.so"
+    subprocess.run(
+        [
+            "g++",
+            "-std=c++17",
+            "-O2",
+            "-fPIC",
+            "-shared",
+            "-fvisibility=hidden",
+            "-Wall",
+            "-Werror",
+            "-isystem",
+            str(include),
+            str(ROOT / "ffi" / "launcher.cc"),
+            "-o",
+            str(out),
+            "-ldl",
+        ],
+        check=True,
+    )
+    symbols = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
+    exported = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
+    assert exported == {"QuackJaxLaunch", "QuackJaxLaunchInitialize"}
+
+
+def test_cuda_lowering_launches_kernels(cache, monkeypatch):
+    """Lowered for a CUDA device (here, without one), the ops become kernel launches."""
+    monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
+
+    def lowered(fn, x):
+        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+
+    x = jnp.zeros((4, 7, 1000), jnp.bfloat16)
+    grad = jax.grad(lambda x: jnp.sum(quack_jax.log_softmax(x).astype(jnp.float32) ** 2))
+    text = lowered(grad, x)
+    assert text.count(f"custom_call @{_ffi.TARGET}") == 2
+    assert "grid = dense<[7, 1, 1]>" in text and "scalars = dense<28>" in text
+    jvp_text = lowered(lambda x: jax.jvp(quack_jax.log_softmax, (x,), (x,))[1], x)
+    assert jvp_text.count(f"custom_call @{_ffi.TARGET}") == 2
+    assert {k[0] for k in _cache._memory} == {
+        "log_softmax_fwd",
+        "log_softmax_bwd",
+        "log_softmax_jvp",
+    }
+    # float64 has no kernel, nor an empty array: both lower to the XLA reference
+    with jax.enable_x64(True):
+        assert _ffi.TARGET not in lowered(quack_jax.softmax, jnp.zeros((4, 8), jnp.float64))
+    assert _ffi.TARGET not in lowered(quack_jax.softmax, jnp.zeros((0, 8), jnp.float32))
+
+
+def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):
+    monkeypatch.delenv("QUACK_JAX_CUDA_ARCH", raising=False)
+    x = jnp.zeros((4, 1024), jnp.float32)
+    text = jax.jit(quack_jax.softmax).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert _ffi.TARGET not in text
