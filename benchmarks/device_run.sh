@@ -10,8 +10,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu \
     --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-if ! python3 -m pip install --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
-    tail -20 "$OUT/install.log"; exit 1
+if ! python3 -m pip install --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1; then
+    tail -20 /tmp/install.log; exit 1
 fi
 status=0
 for step in "$@"; do
@@ -21,6 +21,12 @@ for step in "$@"; do
     bench) python3 benchmarks/run.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
     tune) python3 benchmarks/run.py --tune --reps 5 --out "$OUT/tune" \
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
+    nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/run.py \
+              2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
+    ncu) ncu --clock-control none --csv --log-file /tmp/ncu.csv \
+             --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
+             python3 benchmarks/profile_kernels.py >/dev/null 2>&1 || status=1
+         python3 benchmarks/profile_kernels.py --report /tmp/ncu.csv | tee "$OUT/ncu.txt" ;;
     esac
 done
 exit $status

@@ -131,7 +131,7 @@ class RowKernel:
         row, wcol = warp // t.warps_per_row, warp % t.warps_per_row
         if const_expr(t.cluster_n == 1):
             if lane == 0:
-                for j in cutlass.range_constexpr(self.words):
+                for j in cutlass.range_constexpr(len(vals)):
                     buf[row, wcol, j] = vals[j]
             cute.arch.barrier()
         else:
@@ -143,7 +143,8 @@ class RowKernel:
                     cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
             if lane < t.cluster_n:
                 slot = buf.iterator + cute.crd2idx((row, wcol * t.cluster_n + rank, 0), buf.layout)
-                store_remote(vals, slot, mbar, lane)
+                padding = (Float32(0.0),) * (self.words - len(vals))
+                store_remote((*vals, *padding), slot, mbar, lane)
             cute.arch.mbarrier_wait(mbar, 0)
 
     @cute.jit
@@ -162,51 +163,58 @@ class RowKernel:
         return out
 
     @cute.jit
-    def row_sum(self, x: cute.TensorSSA, buf, mbar) -> Float32:
-        """Sum of a row, from this thread's values ``x``."""
-        total = self.row_group_reduce(
-            x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
-        )
-        if const_expr(self.needs_buffer):
-            self.publish((total,), buf, mbar)
-            parts = self.gathered(buf, 0, 0.0)
-            total = cute.arch.warp_reduction(
-                parts.load().reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                operator.add,
-            )
-        return total
+    def row_softmax(self, x: cute.TensorSSA, buf, mbar, t=None, t_times_e: bool = True):
+        """Row statistics of softmax(x) in one reduction round trip.
 
-    @cute.jit
-    def row_max_sumexp(self, x: cute.TensorSSA, buf, mbar):
-        """(max, sum of exp(x - max), exp(x - max)) of a row, in one round trip.
-
-        An all -inf row gives max -inf and sum 0, so softmax of it is NaN as in
-        ``jax.nn.softmax``; a NaN or +inf anywhere makes the sum NaN.
+        Returns (m, s, e, w): the row max m, s = sum(exp(x - m)), this thread's
+        e = exp(x - m), and with a second operand t also w = sum(t * e), or sum(t) when
+        ``t_times_e`` is false (None without t). Each warp reduces against its own max;
+        the partials are rescaled to the row max when combined. An all -inf row gives
+        m = -inf and s = 0, so softmax of it is NaN as in ``jax.nn.softmax``; a NaN or
+        +inf anywhere makes s NaN.
         """
         m = self.row_group_reduce(
             x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
             cute.arch.fmax,
         )
-        e = cute.math.exp2(x * LOG2_E - finite_or_zero(m) * LOG2_E, fastmath=True)
+        e = cute.math.exp2((x - finite_or_zero(m)) * LOG2_E, fastmath=True)
         s = self.row_group_reduce(
             e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
         )
+        w = None
+        if const_expr(t is not None):
+            weighted = t * e if const_expr(t_times_e) else t
+            w = self.row_group_reduce(
+                weighted.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                operator.add,
+            )
         if const_expr(self.needs_buffer):
-            self.publish((m, s), buf, mbar)
+            self.publish((m, s) if const_expr(t is None) else (m, s, w), buf, mbar)
             ms = self.gathered(buf, 0, -Float32.inf)
-            ss = self.gathered(buf, 1, 0.0)
             m_row = cute.arch.warp_reduction(
                 ms.load().reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
                 cute.arch.fmax,
             )
-            base = finite_or_zero(m_row) * LOG2_E
+            base = finite_or_zero(m_row)
+            ss = self.gathered(buf, 1, 0.0)
+            scales = cute.make_rmem_tensor(cute.size(ms), Float32)
             s_row = Float32(0.0)
-            for i in cutlass.range_constexpr(cute.size(ss)):
-                s_row += ss[i] * cute.math.exp2(ms[i] * LOG2_E - base, fastmath=True)
-            s_row = cute.arch.warp_reduction(s_row, operator.add)
-            e = e * cute.math.exp2(m * LOG2_E - base, fastmath=True)
-            m, s = m_row, s_row
-        return m, s, e
+            for i in cutlass.range_constexpr(cute.size(ms)):
+                scales[i] = cute.math.exp2((ms[i] - base) * LOG2_E, fastmath=True)
+                s_row += ss[i] * scales[i]
+            s = cute.arch.warp_reduction(s_row, operator.add)
+            if const_expr(t is not None):
+                ws = self.gathered(buf, 2, 0.0)
+                if const_expr(t_times_e):
+                    for i in cutlass.range_constexpr(cute.size(ms)):
+                        ws[i] = ws[i] * scales[i]
+                w = cute.arch.warp_reduction(
+                    ws.load().reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                    operator.add,
+                )
+            e = e * cute.math.exp2((m - base) * LOG2_E, fastmath=True)
+            m = m_row
+        return m, s, e, w
 
 
 def finite_or_zero(m: Float32) -> Float32:
@@ -220,15 +228,18 @@ def store_remote(vals, slot: cute.Pointer, mbar: cute.Pointer, peer: Int32):
     addr = Int32(cute.arch.map_dsmem_ptr(slot, peer).toint())
     bar = Int32(cute.arch.map_dsmem_ptr(mbar, peer).toint())
     k = const_expr(len(vals))
+    assert k in (1, 2, 4), "st.async stores 1, 2 or 4 words"
     if const_expr(k == 1):
         cute.arch.inline_ptx(
             "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [{$r0}], {$r1}, [{$r2}];",
             read_only_args=[addr, Float32(vals[0]), bar],
         )
     else:
+        lanes = "xyzw"[:k]
+        moves = "".join(f"mov.f32 v.{c}, {{$r{i + 1}}};\n\t" for i, c in enumerate(lanes))
         cute.arch.inline_ptx(
-            "{\n\t.reg .v2 .f32 ab;\n\tmov.f32 ab.x, {$r1};\n\tmov.f32 ab.y, {$r2};\n\t"
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 "
-            "[{$r0}], ab, [{$r3}];\n\t}",
-            read_only_args=[addr, Float32(vals[0]), Float32(vals[1]), bar],
+            f"{{\n\t.reg .v{k} .f32 v;\n\t{moves}"
+            f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v{k}.f32 "
+            f"[{{$r0}}], v, [{{$r{k + 1}}}];\n\t}}",
+            read_only_args=[addr, *[Float32(v) for v in vals], bar],
         )

@@ -18,8 +18,6 @@ import math
 WARP = 32
 MAX_CLUSTER = 16
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Row-kernel families and what their reduction exchanges per warp (float32 words).
-REDUCTION_WORDS = {"softmax_fwd": 2, "softmax_bwd": 1}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Softmax and log-softmax with fused forward and derivative kernels.
 
-``_forward`` computes y from x. ``_derivative`` is linear in its first operand t, given
-y: for softmax ``y * (t - sum(t * y))``, which is its own transpose; for log-softmax the
-forward-mode form ``t - sum(exp(y) * t)`` and its transpose ``t - exp(y) * sum(t)``.
-``jax.grad`` therefore runs one forward kernel and one backward kernel, and ``jax.jvp``
-one forward and one tangent kernel.
+``_forward`` computes y from x. ``_derivative`` is linear in its first operand t and
+recomputes p = softmax(x) from x in registers: for softmax ``p * (t - sum(t * p))``,
+which is its own transpose; for log-softmax the forward-mode form ``t - sum(p * t)`` and
+its transpose ``t - p * sum(t)``. ``jax.grad`` therefore runs one derivative kernel that
+reads x and the cotangent and writes the gradient, plus the forward kernel only where the
+forward output is used; ``jax.jvp`` likewise.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
 
     NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
     or only -inf, gives NaN). Differentiable to any order; ``jax.grad`` runs one fused
-    backward kernel ``dx = y * (dy - sum(dy * y))``.
+    backward kernel ``dx = y * (dy - sum(dy * y))`` that recomputes y from x.
     """
     return _apply("softmax", x, axis, log=False)
 
@@ -102,6 +103,6 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     """Log-softmax over ``axis``: ``x - max - log(sum(exp(x - max)))``.
 
     Same arguments, dtypes and special values as :func:`softmax`; ``jax.grad`` runs one
-    fused backward kernel ``dx = dy - exp(y) * sum(dy)``.
+    fused backward kernel ``dx = dy - softmax(x) * sum(dy)``.
     """
     return _apply("log_softmax", x, axis, log=True)

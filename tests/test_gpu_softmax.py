@@ -25,7 +25,7 @@ from quack_jax._tiling import choose_tiling
 pytestmark = pytest.mark.gpu
 
 SEED = int.from_bytes(os.urandom(4), "little")
-# Relative to |ref| plus the row's largest |ref|: float32 math, then rounding to the dtype.
+# Allowed error, relative to the magnitude of the terms that make each element.
 TOL = {"float32": 2e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
 
@@ -40,36 +40,50 @@ def key_for(*parts):
     return jax.random.key(SEED ^ zlib.crc32(repr(parts).encode()))
 
 
-def assert_close(out, ref, dtype, what):
-    """NaN where the reference is NaN, equal where it is infinite, close elsewhere."""
+def assert_close(out, ref, mag, dtype, what, **inputs):
+    """NaN where the reference is NaN, equal where it is infinite, and elsewhere within
+    TOL of ``mag``, the size of the terms that make the element (plus the dtype's
+    smallest normal, below which it loses relative precision)."""
     with jax.enable_x64(True):
         o, r = jnp.asarray(out).astype(jnp.float64), jnp.asarray(ref, jnp.float64)
         finite = jnp.isfinite(r)
-        scale = jnp.max(jnp.where(finite, jnp.abs(r), 0.0), axis=-1, keepdims=True)
-        close = jnp.abs(o - r) <= TOL[dtype] * (jnp.abs(r) + scale)
+        bound = TOL[dtype] * mag + float(jnp.finfo(dtype).smallest_normal)
+        close = jnp.abs(o - r) <= bound
         ok = (jnp.isnan(o) & jnp.isnan(r)) | (o == r) | (finite & jnp.isfinite(o) & close)
         bad = int(jnp.sum(~ok))
         if bad:
             idx = np.unravel_index(int(jnp.argmin(ok.ravel())), o.shape)
+            row = (*idx[:-1], slice(max(idx[-1] - 3, 0), idx[-1] + 4))
+            detail = "".join(
+                f"\n  {name}[{idx[-1] - 3}:]: {np.asarray(jnp.asarray(a)[row], np.float64)}"
+                for name, a in {"out": o, "ref": r, "bound": bound, **inputs}.items()
+            )
             pytest.fail(
                 f"{what}: {bad} of {o.size} elements wrong (seed {SEED}); first at {idx}: "
-                f"got {float(o[idx])}, want {float(r[idx])}"
+                f"got {float(o[idx])}, want {float(r[idx])}{detail}"
             )
 
 
 def reference_forward(x, log=False):
+    """float64 softmax of x, and the magnitude its error is judged against."""
     with jax.enable_x64(True):
         x64 = jnp.asarray(x).astype(jnp.float64)
-        return jax.nn.log_softmax(x64) if log else jax.nn.softmax(x64)
+        ref = jax.nn.log_softmax(x64) if log else jax.nn.softmax(x64)
+        size = jnp.where(jnp.isfinite(ref), jnp.abs(ref), 0.0)
+        return ref, size + jnp.max(size, axis=-1, keepdims=True)
 
 
-def reference_backward(dy, y, log=False):
-    """float64 backward from the kernel's own forward output y."""
+def reference_backward(dy, x, log=False):
+    """float64 gradient from x and dy, and the magnitude of the terms that make it."""
     with jax.enable_x64(True):
-        dy64, y64 = jnp.asarray(dy).astype(jnp.float64), jnp.asarray(y).astype(jnp.float64)
+        dy64 = jnp.asarray(dy).astype(jnp.float64)
+        p = jax.nn.softmax(jnp.asarray(x).astype(jnp.float64))
+        total, total_abs = (jnp.sum(a, axis=-1, keepdims=True) for a in (dy64, jnp.abs(dy64)))
         if log:
-            return dy64 - jnp.exp(y64) * jnp.sum(dy64, axis=-1, keepdims=True)
-        return y64 * (dy64 - jnp.sum(dy64 * y64, axis=-1, keepdims=True))
+            return dy64 - p * total, jnp.abs(dy64) + p * total_abs
+        dot = jnp.sum(dy64 * p, axis=-1, keepdims=True)
+        dot_abs = jnp.sum(jnp.abs(dy64) * p, axis=-1, keepdims=True)
+        return p * (dy64 - dot), p * (jnp.abs(dy64) + dot_abs)
 
 
 def forward_backward(fn):
@@ -100,8 +114,8 @@ def test_forward_backward(m, n, dtype, log):
     fn = quack_jax.log_softmax if log else quack_jax.softmax
     y, dx = run_kernels(forward_backward(fn), x, dy, launches=2)
     assert y.dtype == dx.dtype == x.dtype and y.shape == dx.shape == x.shape
-    assert_close(y, reference_forward(x, log), dtype, f"forward {m}x{n}")
-    assert_close(dx, reference_backward(dy, y, log), dtype, f"backward {m}x{n}")
+    assert_close(y, *reference_forward(x, log), dtype, f"forward {m}x{n}", x=x)
+    assert_close(dx, *reference_backward(dy, x, log), dtype, f"backward {m}x{n}", x=x, dy=dy)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
@@ -118,9 +132,33 @@ def test_special_values(n, dtype, log):
     x[5, n - 1] = big
     x[6, :] = -big
     x = jnp.asarray(x).astype(dtype)
+    dy = jax.random.normal(key_for(n, dtype, "dy"), x.shape, jnp.float32).astype(dtype)
     fn = quack_jax.log_softmax if log else quack_jax.softmax
-    (y,) = run_kernels(lambda x: [fn(x)], x, launches=1)
-    assert_close(y, reference_forward(x, log), dtype, f"special values n={n}")
+    y, dx = run_kernels(forward_backward(fn), x, dy, launches=2)
+    assert_close(y, *reference_forward(x, log), dtype, f"special values n={n}", x=x)
+    assert_close(dx, *reference_backward(dy, x, log), dtype, f"special values n={n}", x=x)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", SPECIAL_SIZES)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_jvp(n, dtype, log):
+    kx, kt = jax.random.split(key_for("jvp", n, dtype, log))
+    x = (3.0 * jax.random.normal(kx, (1000, n), jnp.float32)).astype(dtype)
+    t = jax.random.normal(kt, x.shape, jnp.float32).astype(dtype)
+    fn = quack_jax.log_softmax if log else quack_jax.softmax
+    y, y_dot = run_kernels(lambda x, t: jax.jvp(fn, (x,), (t,)), x, t, launches=2)
+    assert_close(y, *reference_forward(x, log), dtype, f"jvp primal n={n}")
+    with jax.enable_x64(True):
+        t64 = t.astype(jnp.float64)
+        p = jax.nn.softmax(x.astype(jnp.float64))
+        dot, dot_abs = (jnp.sum(p * a, axis=-1, keepdims=True) for a in (t64, jnp.abs(t64)))
+        ref, mag = (
+            (t64 - dot, jnp.abs(t64) + dot_abs)
+            if log
+            else (p * (t64 - dot), p * (jnp.abs(t64) + dot_abs))
+        )
+    assert_close(y_dot, ref, mag, dtype, f"jvp tangent n={n}", x=x, t=t)
 
 
 @pytest.mark.parametrize("shape", [(0, 1024), (4, 0), (2, 0, 7)])
@@ -133,18 +171,18 @@ def test_empty(shape):
 def test_rank3_and_inner_axis():
     x = jax.random.normal(key_for("rank3"), (3, 4096, 5), jnp.float32)
     y = run_kernels(lambda x: quack_jax.softmax(x, axis=1), x, launches=1)
-    y_ref = jnp.moveaxis(reference_forward(jnp.moveaxis(x, 1, -1)), -1, 1)
-    assert_close(y, y_ref, "float32", "axis=1")
+    y_ref, mag = (jnp.moveaxis(a, -1, 1) for a in reference_forward(jnp.moveaxis(x, 1, -1)))
+    assert_close(y, y_ref, mag, "float32", "axis=1")
 
 
 def test_vmap_and_checkpoint():
     x = jax.random.normal(key_for("vmap"), (6, 7, 100), jnp.bfloat16)
     f = jax.vmap(jax.checkpoint(quack_jax.softmax), in_axes=1, out_axes=1)
     y = run_kernels(f, x, launches=1)
-    assert_close(y, reference_forward(x), "bfloat16", "vmap")
-    g = jax.jit(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32) ** 2)))(x)
-    g_ref = jax.grad(lambda x: jnp.sum(jax.nn.softmax(x.astype(jnp.float32)) ** 2))(x)
-    assert_close(g, g_ref, "bfloat16", "grad through vmap and checkpoint")
+    assert_close(y, *reference_forward(x), "bfloat16", "vmap")
+    w = jax.random.normal(key_for("vmap", "w"), x.shape, jnp.float32)
+    g = jax.jit(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32) * w)))(x)
+    assert_close(g, *reference_backward(w, x), "bfloat16", "grad through vmap and checkpoint")
 
 
 def test_every_gpu():
@@ -153,7 +191,7 @@ def test_every_gpu():
         xd = jax.device_put(x, device)
         y = jax.jit(quack_jax.softmax)(xd)
         assert y.devices() == {device}
-        assert_close(y, reference_forward(x), "float32", f"on {device}")
+        assert_close(y, *reference_forward(x), "float32", f"on {device}")
 
 
 COMMAND_BUFFER_SCRIPT = textwrap.dedent(
