@@ -16,17 +16,18 @@ fi
 status=0
 for step in "$@"; do
     case $step in
-    tests) python3 -m pytest -m gpu -q -rs --maxfail=10 -p no:cacheprovider tests \
+    tests) timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rs --maxfail=10 \
+               -p no:cacheprovider tests \
                2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
-    bench) python3 benchmarks/run.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
-    tune) python3 benchmarks/run.py --tune --reps 5 --out "$OUT/tune" \
+    bench) python3 benchmarks/run.py --out "$OUT/bench" || status=1 ;;
+    tune) timeout "${TUNE_SECONDS:-400}" python3 benchmarks/run.py --tune --reps 5 \
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
     nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/run.py \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
-    ncu) ncu --clock-control none --csv --log-file /tmp/ncu.csv \
+    ncu) ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
              --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
              python3 benchmarks/profile_kernels.py >/dev/null 2>&1 || status=1
-         python3 benchmarks/profile_kernels.py --report /tmp/ncu.csv | tee "$OUT/ncu.txt" ;;
+         python3 benchmarks/profile_kernels.py --report "$OUT/ncu.csv" | tee "$OUT/ncu.txt" ;;
     esac
 done
 exit $status

@@ -1,6 +1,6 @@
 """Kernel-level timing with Nsight Compute, free of launch gaps and dispatch.
 
-    ncu --clock-control none --csv --log-file ncu.csv \\
+    ncu --clock-control none --csv --print-units base --log-file ncu.csv \\
         --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
         python benchmarks/profile_kernels.py
     python benchmarks/profile_kernels.py --report ncu.csv
@@ -49,30 +49,25 @@ def run():
 
 
 def report(path):
+    """Per kernel: duration (s) and DRAM bytes, from ncu's CSV in base units."""
     rows = defaultdict(dict)
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]
+    units = set()
     for rec in csv.DictReader(lines):
-        key = (rec["ID"], rec["Kernel Name"][:60], rec["Grid Size"], rec["Block Size"])
-        value = float(rec["Metric Value"].replace(",", ""))
-        unit = rec["Metric Unit"]
-        scale = {
-            "nsecond": 1e-9,
-            "usecond": 1e-6,
-            "msecond": 1e-3,
-            "byte": 1,
-            "Kbyte": 1e3,
-            "Mbyte": 1e6,
-            "Gbyte": 1e9,
-        }.get(unit, 1)
-        rows[key][rec["Metric Name"]] = value * scale
-    print(f"{'kernel':60s} {'grid':>16s} {'us':>9s} {'GB':>8s} {'TB/s':>6s}")
-    for (_, name, grid, _), m in rows.items():
-        t = m.get("gpu__time_duration.sum", 0)
-        nbytes = m.get("dram__bytes_read.sum", 0) + m.get("dram__bytes_write.sum", 0)
-        if nbytes < 32e6:
-            continue
-        print(f"{name:60s} {grid:>16s} {t * 1e6:9.1f} {nbytes / 1e9:8.3f} {nbytes / t / 1e12:6.2f}")
+        key = (rec["ID"], rec["Kernel Name"][:56], rec["Grid Size"])
+        rows[key][rec["Metric Name"]] = float(rec["Metric Value"].replace(",", ""))
+        units.add((rec["Metric Name"], rec["Metric Unit"]))
+    print("units:", sorted(units))
+    print(f"{'kernel':56s} {'grid':>14s} {'us':>9s} {'MB':>9s} {'TB/s':>6s}")
+    for (_, name, grid), m in rows.items():
+        seconds = m.get("gpu__time_duration.sum", 0.0)
+        nbytes = m.get("dram__bytes_read.sum", 0.0) + m.get("dram__bytes_write.sum", 0.0)
+        if nbytes > 32e6 and seconds > 0:
+            print(
+                f"{name:56s} {grid:>14s} {seconds * 1e6:9.1f} {nbytes / 1e6:9.1f} "
+                f"{nbytes / seconds / 1e12:6.2f}"
+            )
 
 
 if __name__ == "__main__":

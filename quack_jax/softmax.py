@@ -31,32 +31,31 @@ def _reference_forward(x, *, log: bool):
     return ((jax.nn.log_softmax(x32) if log else jax.nn.softmax(x32)).astype(x.dtype),)
 
 
-def _reference_derivative(t, y, *, kind: str):
-    t32, y32 = t.astype(_compute_dtype(t)), y.astype(_compute_dtype(t))
+def _reference_derivative(t, x, *, kind: str):
+    t32 = t.astype(_compute_dtype(t))
+    p = jax.nn.softmax(x.astype(t32.dtype))
     if kind == "softmax":
-        out = y32 * (t32 - jnp.sum(t32 * y32, axis=-1, keepdims=True))
+        out = p * (t32 - jnp.sum(t32 * p, axis=-1, keepdims=True))
     elif kind == "log_vjp":
-        out = t32 - jnp.exp(y32) * jnp.sum(t32, axis=-1, keepdims=True)
+        out = t32 - p * jnp.sum(t32, axis=-1, keepdims=True)
     else:
-        out = t32 - jnp.sum(jnp.exp(y32) * t32, axis=-1, keepdims=True)
+        out = t32 - jnp.sum(p * t32, axis=-1, keepdims=True)
     return (out.astype(t.dtype),)
 
 
 def _forward_jvp(primals, tangents, *, log):
     (x,), (x_dot,) = primals, tangents
     y = _forward.bind(x, log=log)
-    y_dot = _derivative.bind(
-        ad.instantiate_zeros(x_dot), y[0], kind="log_jvp" if log else "softmax"
-    )
-    return y, y_dot
+    kind = "log_jvp" if log else "softmax"
+    return y, _derivative.bind(ad.instantiate_zeros(x_dot), x, kind=kind)
 
 
-def _derivative_transpose(cts, t, y, *, kind):
+def _derivative_transpose(cts, t, x, *, kind):
     (ct,) = cts
-    assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(y)
+    assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(x)
     if type(ct) is ad.Zero:
         return [None, None]
-    return [_derivative.bind(ct, y, kind=_TRANSPOSED[kind])[0], None]
+    return [_derivative.bind(ct, x, kind=_TRANSPOSED[kind])[0], None]
 
 
 _forward = RowwisePrimitive(
