@@ -24,7 +24,7 @@ for step in "$@"; do
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
     nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/run.py \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
-    ncu) ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
+    ncu) timeout "${NCU_SECONDS:-120}" ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
              --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
              python3 benchmarks/profile_kernels.py >/dev/null 2>&1 || status=1
          python3 benchmarks/profile_kernels.py --report "$OUT/ncu.csv" | tee "$OUT/ncu.txt" ;;
