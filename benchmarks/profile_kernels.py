@@ -49,14 +49,15 @@ def run():
 
 
 def report(path):
-    """Per kernel: duration (s) and DRAM bytes, from ncu's CSV in base units."""
+    """Per kernel: duration and DRAM bytes, from ncu's CSV (times in ns, sizes in bytes)."""
     rows = defaultdict(dict)
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]
     units = set()
     for rec in csv.DictReader(lines):
         key = (rec["ID"], rec["Kernel Name"][:56], rec["Grid Size"])
-        rows[key][rec["Metric Name"]] = float(rec["Metric Value"].replace(",", ""))
+        scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3}.get(rec["Metric Unit"], 1.0)
+        rows[key][rec["Metric Name"]] = float(rec["Metric Value"].replace(",", "")) * scale
         units.add((rec["Metric Name"], rec["Metric Unit"]))
     print("units:", sorted(units))
     print(f"{'kernel':56s} {'grid':>14s} {'us':>9s} {'MB':>9s} {'TB/s':>6s}")

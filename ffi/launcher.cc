@@ -18,6 +18,7 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -77,6 +78,7 @@ struct Driver {
   CUresult (*func_set_attribute)(CUfunction, int, int) = nullptr;
   CUresult (*launch_kernel_ex)(const LaunchConfig*, CUfunction, void**, void**) = nullptr;
   CUresult (*memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
+  CUresult (*stream_is_capturing)(CUstream, int*) = nullptr;
   std::string error;  // why the driver is unusable, empty when it is usable
 };
 
@@ -106,6 +108,7 @@ const Driver& GetDriver() {
     Resolve(lib, "cuFuncSetAttribute", d.func_set_attribute, d.error);
     Resolve(lib, "cuLaunchKernelEx", d.launch_kernel_ex, d.error);
     Resolve(lib, "cuMemsetD8Async", d.memset_d8_async, d.error);
+    Resolve(lib, "cuStreamIsCapturing", d.stream_is_capturing, d.error);
     return d;
   }();
   return driver;
@@ -128,6 +131,10 @@ struct Loaded {
   int64_t smem_limit = 0;  // dynamic shared memory the function is allowed so far
   bool non_portable_cluster = false;
 };
+
+// Launches recorded into a CUDA graph (XLA command buffers) rather than run directly.
+std::atomic<int64_t> captured_launches{0};
+constexpr int kStreamCaptureActive = 1;
 
 std::mutex cache_mutex;
 std::map<std::pair<CUcontext, int64_t>, Loaded> cache;
@@ -288,8 +295,14 @@ ffi::Error Execute(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets 
   config.stream = stream;
   config.attrs = k.cluster_size > 1 ? &attr : nullptr;
   config.num_attrs = k.cluster_size > 1 ? 1 : 0;
-  CUresult s = GetDriver().launch_kernel_ex(&config, function, params.data(), nullptr);
-  if (s != kCudaSuccess) return CudaError(s, kernel, "cuLaunchKernelEx");
+  const Driver& d = GetDriver();
+  if (CUresult s = d.launch_kernel_ex(&config, function, params.data(), nullptr); s != kCudaSuccess) {
+    return CudaError(s, kernel, "cuLaunchKernelEx");
+  }
+  int capture = 0;
+  if (d.stream_is_capturing(stream, &capture) == kCudaSuccess && capture == kStreamCaptureActive) {
+    captured_launches.fetch_add(1, std::memory_order_relaxed);
+  }
   return ffi::Error::Success();
 }
 
@@ -312,10 +325,13 @@ auto Bind() {
 
 }  // namespace
 
-// The two stages of the target, exported for ctypes (the rest of the library is hidden).
+// The two stages of the target and a counter, exported for ctypes (the rest is hidden).
 #define QUACK_JAX_EXPORT extern "C" __attribute__((visibility("default")))
 QUACK_JAX_EXPORT XLA_FFI_Error* QuackJaxLaunchInitialize(XLA_FFI_CallFrame* call_frame);
 QUACK_JAX_EXPORT XLA_FFI_Error* QuackJaxLaunch(XLA_FFI_CallFrame* call_frame);
+
+// How many launches so far were recorded into CUDA graphs (XLA command buffers).
+QUACK_JAX_EXPORT int64_t QuackJaxCapturedLaunches() { return captured_launches.load(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuackJaxLaunchInitialize, Initialize,
                               Bind<ffi::ExecutionStage::kInitialize>());

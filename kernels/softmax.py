@@ -60,7 +60,8 @@ class SoftmaxForward(RowKernel):
         x = tXrX.load().to(Float32)
         row_max, row_sum, e, _ = self.row_softmax(x, buf, mbar)
         if const_expr(self.log):
-            y = x - (finite_or_zero(row_max) + cute.math.log2(row_sum, fastmath=True) * LN_2)
+            # (x - max) first: exact near the max, where x - lse would cancel.
+            y = (x - finite_or_zero(row_max)) - cute.math.log2(row_sum, fastmath=True) * LN_2
         else:
             y = e * cute.arch.rcp_approx(row_sum)
         tXrY = cute.make_rmem_tensor_like(tXgY)

@@ -40,6 +40,13 @@ def register_target() -> None:
     )
 
 
+def captured_launches() -> int:
+    """Kernel launches so far that XLA recorded into CUDA graphs (command buffers)."""
+    lib = load_library()
+    lib.QuackJaxCapturedLaunches.restype = ctypes.c_int64
+    return lib.QuackJaxCapturedLaunches()
+
+
 def launch(
     ctx,
     operands,

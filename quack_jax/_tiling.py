@@ -108,31 +108,55 @@ def max_vec(n: int, itemsize: int) -> int:
 
 
 def make_tiling(n: int, itemsize: int, threads_per_row: int, num_threads: int, cluster_n: int):
-    """A tiling for rows of ``n`` elements, shrunk to fit small rows."""
+    """A tiling for rows of ``n`` elements, shrunk to fit small rows: fewer threads per row
+    than vectors in it, and no more CTAs per row than can each own a part of it."""
     vec = max_vec(n, itemsize)
-    vectors = -(-n // vec)
-    threads_per_row = min(threads_per_row, _pow2_at_least(vectors))
-    while cluster_n > 1 and vectors // threads_per_row < cluster_n:
-        cluster_n //= 2
+    threads_per_row = min(threads_per_row, _pow2_at_least(-(-n // vec)))
     if threads_per_row < WARP:
         cluster_n = 1
-    return RowTiling(n, vec, threads_per_row, num_threads, cluster_n)
+    while True:
+        tiling = RowTiling(n, vec, threads_per_row, num_threads, 1)
+        per_cta = vec * threads_per_row * -(-n // (vec * threads_per_row * cluster_n))
+        if cluster_n == 1 or (cluster_n - 1) * per_cta < n:
+            return dataclasses.replace(tiling, cluster_n=cluster_n)
+        cluster_n //= 2
 
 
-def _pick(n: int, table: list[tuple[int, int]], last: int) -> int:
-    for limit, value in table:
-        if n <= limit:
-            return value
-    return last
-
-
-# Tables start from QuACK's H100 choices; benchmarks/NOTES.md records the H200 tuning.
-_FWD_THREADS_PER_ROW = [(64, 8), (128, 16), (3072, 32), (6144, 64), (16384, 128)]
-_BWD_THREADS_PER_ROW = [(64, 8), (128, 16), (3072, 32), (6144, 64), (8192, 128)]
+# Launch shapes (threads per row, threads per CTA, cluster size) by row length: the first
+# row whose limit holds n applies. Measured on the H200 (benchmarks/NOTES.md, 2026-11-29):
+# each entry is the fastest candidate at the benchmark size that ends its range.
 _K = 1024
-_CLUSTER_16BIT = [(16 * _K, 1), (32 * _K, 2), (64 * _K, 4), (128 * _K, 8)]
-_CLUSTER_32BIT_FWD = [(32 * _K, 1), (64 * _K, 2), (128 * _K, 4), (256 * _K, 8)]
-_CLUSTER_32BIT_BWD = _CLUSTER_16BIT
+_TABLES = {
+    ("softmax_fwd", 2): [
+        (1 * _K, (16, 128, 1)),
+        (4 * _K, (32, 128, 1)),
+        (16 * _K, (256, 256, 1)),
+        (64 * _K, (256, 256, 4)),
+        (128 * _K, (128, 128, 16)),
+        (256 * _K, (256, 256, 16)),
+    ],
+    ("softmax_fwd", 4): [
+        (1 * _K, (16, 256, 1)),
+        (4 * _K, (32, 128, 1)),
+        (16 * _K, (64, 128, 4)),
+        (64 * _K, (64, 128, 8)),
+        (256 * _K, (128, 128, 16)),
+    ],
+    ("softmax_bwd", 2): [
+        (1 * _K, (32, 256, 1)),
+        (4 * _K, (64, 128, 1)),
+        (16 * _K, (64, 128, 8)),
+        (128 * _K, (128, 128, 16)),
+        (256 * _K, (512, 512, 8)),
+    ],
+    ("softmax_bwd", 4): [
+        (1 * _K, (32, 128, 1)),
+        (4 * _K, (64, 128, 1)),
+        (16 * _K, (64, 128, 8)),
+        (128 * _K, (128, 128, 16)),
+        (256 * _K, (256, 256, 16)),
+    ],
+}
 # Register budget: the values a thread keeps live, beyond which the kernel would spill.
 _MAX_ELEMS_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 64}
 
@@ -183,16 +207,8 @@ def choose_tiling(family: str, n: int, itemsize: int) -> RowTiling | None:
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
-    if family == "softmax_fwd":
-        tpr = _pick(n, _FWD_THREADS_PER_ROW, 256)
-        threads = 128 if n <= 16 * _K else 256
-        cluster = _pick(n, _CLUSTER_16BIT if itemsize == 2 else _CLUSTER_32BIT_FWD, MAX_CLUSTER)
-    elif family == "softmax_bwd":
-        tpr = _pick(n, _BWD_THREADS_PER_ROW, 256)
-        threads = 128 if n <= 8 * _K else 256
-        cluster = _pick(n, _CLUSTER_16BIT if itemsize == 2 else _CLUSTER_32BIT_BWD, MAX_CLUSTER)
-    else:
-        raise ValueError(f"unknown kernel family {family!r}")
+    table = _TABLES[family, min(itemsize, 4)]
+    tpr, threads, cluster = next((v for limit, v in table if n <= limit), table[-1][1])
     budget = _MAX_ELEMS_PER_THREAD[family]
     while True:
         tiling = make_tiling(n, itemsize, tpr, threads, cluster)

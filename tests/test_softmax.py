@@ -83,14 +83,20 @@ def test_matches_jax_nn_with_transforms(name):
     def loss(fn):
         return lambda x: jnp.sum(jnp.sin(fn(x)))
 
-    np.testing.assert_allclose(jax.vmap(ours, 1, 1)(x), jax.vmap(theirs, 1, 1)(x), atol=1e-6)
     np.testing.assert_allclose(
-        jax.jit(jax.grad(loss(jax.checkpoint(ours))))(x), jax.grad(loss(theirs))(x), atol=1e-6
+        jax.vmap(ours, 1, 1)(x), jax.vmap(theirs, 1, 1)(x), rtol=2e-5, atol=4e-6
+    )
+    np.testing.assert_allclose(
+        jax.jit(jax.grad(loss(jax.checkpoint(ours))))(x),
+        jax.grad(loss(theirs))(x),
+        rtol=2e-5,
+        atol=4e-6,
     )
     np.testing.assert_allclose(
         jax.vmap(jax.grad(loss(ours)), in_axes=2)(x),
         jax.vmap(jax.grad(loss(theirs)), in_axes=2)(x),
-        atol=1e-6,
+        rtol=2e-5,
+        atol=4e-6,
     )
     hessian = jax.jacfwd(jax.grad(loss(ours)))(x[0, 0, :16])
     np.testing.assert_allclose(hessian, jax.jacfwd(jax.grad(loss(theirs)))(x[0, 0, :16]), atol=1e-5)
