@@ -190,7 +190,7 @@ def tuning_table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path):
+def plot(rows, path, title):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -200,8 +200,8 @@ def plot(rows, path):
     series = [
         ("quack_fwd", 2, "quack_jax fwd"),
         ("xla_fwd", 2, "XLA fwd"),
-        ("quack_fwd_bwd", 5, "quack_jax fwd+bwd"),
-        ("xla_fwd_bwd", 5, "XLA fwd+bwd"),
+        ("quack_fwd_bwd", 3, "quack_jax fwd+bwd"),
+        ("xla_fwd_bwd", 3, "XLA fwd+bwd"),
     ]
     for ax, dtype in zip(axes[0], DTYPES, strict=True):
         sel = [r for r in rows if r["dtype"] == dtype]
@@ -216,9 +216,10 @@ def plot(rows, path):
         ax.set_xticks(range(len(sel)), [f"{r['m']}x{r['n']}" for r in sel], rotation=20)
         ax.set_ylabel("TB/s")
         ax.set_title(f"softmax, {dtype}")
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle(describe(), fontsize=9)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
 
 
@@ -255,10 +256,10 @@ def main(argv=None):
             "date": str(datetime.date.today()),
             "device": describe(),
             "jax": jax.__version__,
-            "command": " ".join(sys.argv),
+            "options": {k: v for k, v in vars(args).items() if k != "out"},
         }
         (args.out / "softmax.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        plot(rows, args.out / "softmax.png")
+        plot(rows, args.out / "softmax.png", describe())
 
 
 if __name__ == "__main__":
