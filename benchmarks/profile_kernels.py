@@ -14,19 +14,11 @@ import csv
 import sys
 from collections import defaultdict
 
-SHAPES = [
-    (32768, 1024),
-    (16384, 4096),
-    (8192, 16384),
-    (4096, 65536),
-    (2048, 131072),
-    (1024, 262144),
-]
-
 
 def run():
     import jax
     import jax.numpy as jnp
+    from run import SHAPES
 
     import quack_jax
 

@@ -11,6 +11,7 @@ thread's partition of ``gX``, ``tXcX`` its coordinates, ``tXpX`` its column pred
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -22,6 +23,20 @@ from quack_jax._tiling import RowTiling
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+
+@dataclasses.dataclass
+class CtaView:
+    """One thread's share of a CTA's tile: per-tensor partitions, the column predicates
+    (None when every vector is inside the row), and the reduction buffer and barrier."""
+
+    atom: cute.CopyAtom
+    sources: list
+    destinations: list
+    tXpX: cute.Tensor | None
+    in_rows: cutlass.Boolean
+    buf: cute.Tensor | None
+    mbar: cute.Pointer | None
 
 
 class RowKernel:
@@ -70,6 +85,47 @@ class RowKernel:
         return cute.make_tensor(
             base, cute.make_layout((t.rows_per_cta, t.cols_per_cta), stride=(t.n, 1))
         )
+
+    def setup(self, m: Int32, inputs, outputs) -> CtaView:
+        """This CTA's reduction storage and this thread's partitions of the CTA tile of
+        each row-major (m, n) input and output."""
+        t = self.tiling
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, rank, _ = cute.arch.block_idx()
+        row0 = bidx * t.rows_per_cta
+        col0 = rank * t.cols_per_cta
+        buf, mbar = self.allocate_reduction(cutlass.memory.SmemAllocator())
+        atom, tiled_copy = self.copies()
+        thr = tiled_copy.get_slice(tidx)
+        sources = [thr.partition_S(self.cta_tile(p, row0, col0)) for p in inputs]
+        destinations = [thr.partition_D(self.cta_tile(p, row0, col0)) for p in outputs]
+        tXcX = thr.partition_S(cute.make_identity_tensor((t.rows_per_cta, t.cols_per_cta)))
+        tXpX = None if const_expr(self.even_cols) else self.column_predicates(tXcX, col0)
+        self.init_cluster(mbar)
+        return CtaView(atom, sources, destinations, tXpX, row0 + tXcX[0][0] < m, buf, mbar)
+
+    def load(self, cta: CtaView, fills: tuple[float, ...]) -> list[cute.TensorSSA]:
+        """This thread's values of every input as float32, each ``fill`` outside the tensor."""
+        fragments = []
+        for tXgX, fill in zip(cta.sources, fills, strict=True):
+            tXrX = cute.make_rmem_tensor_like(tXgX)
+            tXrX.fill(fill)
+            fragments.append(tXrX)
+        self._copy_in(cta, tuple(fragments))
+        return [f.load().to(Float32) for f in fragments]
+
+    @cute.jit
+    def _copy_in(self, cta: CtaView, fragments: tuple):
+        if cta.in_rows:
+            for i in cutlass.range_constexpr(len(fragments)):
+                cute.copy(cta.atom, cta.sources[i], fragments[i], pred=cta.tXpX)
+
+    @cute.jit
+    def store(self, cta: CtaView, values: cute.TensorSSA, tXgY: cute.Tensor):
+        tXrY = cute.make_rmem_tensor_like(tXgY)
+        tXrY.store(values.to(self.dtype))
+        if cta.in_rows:
+            cute.copy(cta.atom, tXrY, tXgY, pred=cta.tXpX)
 
     @cute.jit
     def column_predicates(self, tXcX: cute.Tensor, col0: Int32) -> cute.Tensor:

@@ -16,9 +16,8 @@ kept (it is not even computed when nothing else uses it):
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 
 from .rowwise import LN_2, RowKernel, finite_or_zero
 
@@ -36,38 +35,15 @@ class SoftmaxForward(RowKernel):
 
     @cute.kernel
     def kernel(self, px: cute.Pointer, py: cute.Pointer, m: Int32):
-        t = self.tiling
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, rank, _ = cute.arch.block_idx()
-        row0 = bidx * t.rows_per_cta
-        col0 = rank * t.cols_per_cta
-        gX, gY = self.cta_tile(px, row0, col0), self.cta_tile(py, row0, col0)
-        cX = cute.make_identity_tensor((t.rows_per_cta, t.cols_per_cta))
-
-        smem = cutlass.memory.SmemAllocator()
-        buf, mbar = self.allocate_reduction(smem)
-        atom, tiled_copy = self.copies()
-        thr = tiled_copy.get_slice(tidx)
-        tXgX, tXgY, tXcX = thr.partition_S(gX), thr.partition_D(gY), thr.partition_S(cX)
-        tXpX = None if const_expr(self.even_cols) else self.column_predicates(tXcX, col0)
-        self.init_cluster(mbar)
-
-        tXrX = cute.make_rmem_tensor_like(tXgX)
-        tXrX.fill(-tXrX.element_type.inf)
-        in_rows = row0 + tXcX[0][0] < m
-        if in_rows:
-            cute.copy(atom, tXgX, tXrX, pred=tXpX)
-        x = tXrX.load().to(Float32)
-        row_max, row_sum, e, _ = self.row_softmax(x, buf, mbar)
+        cta = self.setup(m, [px], [py])
+        (x,) = self.load(cta, (-float("inf"),))
+        row_max, row_sum, e, _ = self.row_softmax(x, cta.buf, cta.mbar)
         if const_expr(self.log):
             # (x - max) first: exact near the max, where x - lse would cancel.
             y = (x - finite_or_zero(row_max)) - cute.math.log2(row_sum, fastmath=True) * LN_2
         else:
             y = e * cute.arch.rcp_approx(row_sum)
-        tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store(y.to(self.dtype))
-        if in_rows:
-            cute.copy(atom, tXrY, tXgY, pred=tXpX)
+        self.store(cta, y, cta.destinations[0])
 
 
 class SoftmaxDerivative(RowKernel):
@@ -92,33 +68,9 @@ class SoftmaxDerivative(RowKernel):
 
     @cute.kernel
     def kernel(self, pt: cute.Pointer, px: cute.Pointer, pout: cute.Pointer, m: Int32):
-        t = self.tiling
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, rank, _ = cute.arch.block_idx()
-        row0 = bidx * t.rows_per_cta
-        col0 = rank * t.cols_per_cta
-        gT, gX, gO = [self.cta_tile(p, row0, col0) for p in (pt, px, pout)]
-        cX = cute.make_identity_tensor((t.rows_per_cta, t.cols_per_cta))
-
-        smem = cutlass.memory.SmemAllocator()
-        buf, mbar = self.allocate_reduction(smem)
-        atom, tiled_copy = self.copies()
-        thr = tiled_copy.get_slice(tidx)
-        tXgT, tXgX, tXgO = thr.partition_S(gT), thr.partition_S(gX), thr.partition_D(gO)
-        tXcX = thr.partition_S(cX)
-        tXpX = None if const_expr(self.even_cols) else self.column_predicates(tXcX, col0)
-        self.init_cluster(mbar)
-
-        tXrT, tXrX = cute.make_rmem_tensor_like(tXgT), cute.make_rmem_tensor_like(tXgX)
-        tXrT.fill(0.0)
-        tXrX.fill(-tXrX.element_type.inf)
-        in_rows = row0 + tXcX[0][0] < m
-        if in_rows:
-            cute.copy(atom, tXgT, tXrT, pred=tXpX)
-            cute.copy(atom, tXgX, tXrX, pred=tXpX)
-        tt = tXrT.load().to(Float32)
-        x = tXrX.load().to(Float32)
-        _, s, e, w = self.row_softmax(x, buf, mbar, t=tt, t_times_e=self.kind != "log_vjp")
+        cta = self.setup(m, [pt, px], [pout])
+        tt, x = self.load(cta, (0.0, -float("inf")))
+        _, s, e, w = self.row_softmax(x, cta.buf, cta.mbar, t=tt, t_times_e=self.kind != "log_vjp")
         inv_s = cute.arch.rcp_approx(s)
         if const_expr(self.kind == "softmax"):
             out = (e * inv_s) * (tt - w * inv_s)
@@ -126,7 +78,4 @@ class SoftmaxDerivative(RowKernel):
             out = tt - (e * inv_s) * w
         else:
             out = tt - w * inv_s
-        tXrO = cute.make_rmem_tensor_like(tXgO)
-        tXrO.store(out.to(self.dtype))
-        if in_rows:
-            cute.copy(atom, tXrO, tXgO, pred=tXpX)
+        self.store(cta, out, cta.destinations[0])
