@@ -8,9 +8,9 @@ when the computation is lowered for a platform, so one jitted function runs on C
 GPU devices in the same process. Batching moves the batch axis into the leading rows.
 
 Differentiation: an op gives its primitive a JVP rule built from kernels, and a linear
-primitive a transpose rule, so ``jax.grad`` runs a forward kernel and a backward kernel.
-By default a primitive differentiates its reference, which keeps every derivative order
-(``jax.hessian``, forward-over-reverse) available through XLA.
+primitive a transpose rule, so ``jax.grad`` and ``jax.jvp`` run kernels in both
+directions. By default a primitive differentiates its reference, which keeps every
+derivative order (``jax.hessian``, forward-over-reverse) available through XLA.
 """
 
 from __future__ import annotations
