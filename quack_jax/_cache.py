@@ -82,9 +82,11 @@ def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
 
 
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
-    family = op.removesuffix("_fwd").removesuffix("_bwd").removeprefix("log_")
+    from .build import OPS
+
+    public = next(name for name, kernels in OPS.items() if op in dict(kernels))
     return (
-        f"python -m quack_jax.build --arch {arch} --ops {family} --dtypes {dtype} "
+        f"python -m quack_jax.build --arch {arch} --ops {public} --dtypes {dtype} "
         f"--sizes {tiling.n}"
     )
 
