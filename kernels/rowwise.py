@@ -18,6 +18,7 @@ import operator
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.runtime import nullptr
 
 from quack_jax._tiling import RowTiling
 
@@ -27,29 +28,46 @@ LN_2 = math.log(2.0)
 
 @dataclasses.dataclass
 class CtaView:
-    """One thread's share of a CTA's tile: per-tensor partitions, the column predicates
-    (None when every vector is inside the row), and the reduction buffer and barrier."""
+    """One thread's share of a CTA's tile: per-tensor partitions (row-major inputs,
+    outputs, and length-n vectors broadcast over the rows), the column predicates (None
+    when every vector is inside the row), this thread's row and whether it exists, and
+    whether the thread holds the row's first column."""
 
-    atom: cute.CopyAtom
     sources: list
     destinations: list
+    vectors: list
     tXpX: cute.Tensor | None
+    row: Int32
     in_rows: cutlass.Boolean
+    first_col: cutlass.Boolean
+
+
+@dataclasses.dataclass
+class Reduction:
+    """The shared buffer of per-warp partials and the cluster barriers, ``copies`` of each."""
+
     buf: cute.Tensor | None
     mbar: cute.Pointer | None
 
 
 class RowKernel:
-    """Base of the row-wise kernels: ``words`` float32 values per warp are reduced."""
+    """Base of the row-wise kernels: ``words`` float32 values per warp are reduced, with up
+    to ``copies`` reductions in flight (each needs its own buffer and cluster barrier)."""
 
     words = 1
+    copies = 1
 
     def __init__(self, dtype: type[cutlass.Numeric], tiling: RowTiling):
         self.dtype = dtype
         self.tiling = tiling
         self.even_cols = tiling.cols_per_cta * tiling.cluster_n == tiling.n
         self.needs_buffer = tiling.warps_per_row > 1 or tiling.cluster_n > 1
-        self.smem_bytes = tiling.smem_bytes(self.words)
+        self.smem_bytes = tiling.smem_bytes(self.words, self.copies)
+
+    def pointer(self, dtype: type[cutlass.Numeric], row: bool = True):
+        """A placeholder pointer for compiling: to rows of this tiling, or to float32 stats."""
+        align = self.tiling.vec * dtype.width // 8 if row else 4
+        return nullptr(dtype, cute.AddressSpace.gmem, assumed_align=align)
 
     def launch_args(self, m):
         t = self.tiling
@@ -62,70 +80,124 @@ class RowKernel:
 
     # -- the tile and its partition ---------------------------------------------------
 
-    def copies(self):
-        """The vector copy atom, and its tiling: rows of threads, each thread ``vec`` columns."""
-        t = self.tiling
-        atom = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=t.vec * self.dtype.width
+    def atom(self, dtype: type[cutlass.Numeric]) -> cute.CopyAtom:
+        """The copy atom of one ``vec``-element vector of ``dtype``."""
+        return cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=self.tiling.vec * dtype.width
         )
-        threads = cute.make_ordered_layout((t.rows_per_cta, t.threads_per_row), order=(1, 0))
-        return atom, cute.make_tiled_copy_tv(atom, threads, cute.make_layout((1, t.vec)))
 
-    def cta_tile(self, ptr: cute.Pointer, row0: Int32, col0: Int32) -> cute.Tensor:
-        """The (R, C) tile of a row-major (M, n) tensor starting at (row0, col0)."""
+    def thread_copy(self):
+        """This thread's slice of the CTA tile: rows of threads, each thread ``vec`` columns."""
         t = self.tiling
-        offset = Int64(row0) * t.n + Int64(col0)
-        nbytes = self.dtype.width // 8
+        threads = cute.make_ordered_layout((t.rows_per_cta, t.threads_per_row), order=(1, 0))
+        tiled = cute.make_tiled_copy_tv(
+            self.atom(self.dtype), threads, cute.make_layout((1, t.vec))
+        )
+        return tiled.get_slice(cute.arch.thread_idx()[0])
+
+    def cta_tile(self, ptr: cute.Pointer, row0: Int32, col0: Int32, rows: bool = True):
+        """The (R, C) tile of a row-major (M, n) tensor starting at (row0, col0), or with
+        ``rows`` false of a length-n vector broadcast over the R rows."""
+        t = self.tiling
+        offset = Int64(row0) * t.n + Int64(col0) if const_expr(rows) else Int64(col0)
+        nbytes = ptr.dtype.width // 8
         base = cute.make_ptr(
-            self.dtype,
+            ptr.dtype,
             ptr.toint() + offset * nbytes,
             cute.AddressSpace.gmem,
             assumed_align=t.vec * nbytes,
         )
+        stride = t.n if const_expr(rows) else 0
         return cute.make_tensor(
-            base, cute.make_layout((t.rows_per_cta, t.cols_per_cta), stride=(t.n, 1))
+            base, cute.make_layout((t.rows_per_cta, t.cols_per_cta), stride=(stride, 1))
         )
 
-    def setup(self, m: Int32, inputs, outputs) -> CtaView:
-        """This CTA's reduction storage and this thread's partitions of the CTA tile of
-        each row-major (m, n) input and output."""
+    def setup(self, m: Int32, inputs, outputs, vectors=()) -> tuple[CtaView, Reduction]:
+        """This CTA's reduction storage (cluster barriers armed) and its view of row block
+        ``blockIdx.x``."""
+        reduction = self.allocate_reduction(cutlass.memory.SmemAllocator())
+        self.init_cluster(reduction.mbar)
+        return self.view(m, cute.arch.block_idx()[0], inputs, outputs, vectors), reduction
+
+    def view(self, m: Int32, block: Int32, inputs, outputs, vectors=()) -> CtaView:
+        """This thread's partitions of row block ``block`` of each row-major (m, n) input
+        and output, and of this CTA's columns of each length-n vector."""
         t = self.tiling
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, rank, _ = cute.arch.block_idx()
-        row0 = bidx * t.rows_per_cta
-        col0 = rank * t.cols_per_cta
-        buf, mbar = self.allocate_reduction(cutlass.memory.SmemAllocator())
-        atom, tiled_copy = self.copies()
-        thr = tiled_copy.get_slice(tidx)
+        row0 = block * t.rows_per_cta
+        col0 = cute.arch.block_idx()[1] * t.cols_per_cta
+        thr = self.thread_copy()
         sources = [thr.partition_S(self.cta_tile(p, row0, col0)) for p in inputs]
         destinations = [thr.partition_D(self.cta_tile(p, row0, col0)) for p in outputs]
+        vecs = [thr.partition_S(self.cta_tile(p, row0, col0, rows=False)) for p in vectors]
         tXcX = thr.partition_S(cute.make_identity_tensor((t.rows_per_cta, t.cols_per_cta)))
         tXpX = None if const_expr(self.even_cols) else self.column_predicates(tXcX, col0)
-        self.init_cluster(mbar)
-        return CtaView(atom, sources, destinations, tXpX, row0 + tXcX[0][0] < m, buf, mbar)
+        row = row0 + tXcX[0][0]
+        first_col = col0 + tXcX[0][1] == 0
+        return CtaView(sources, destinations, vecs, tXpX, row, row < m, first_col)
 
     def load(self, cta: CtaView, fills: tuple[float, ...]) -> list[cute.TensorSSA]:
         """This thread's values of every input as float32, each ``fill`` outside the tensor."""
+        fragments = self._fragments(cta.sources, fills)
+        self._copy_in(cta, cta.sources, fragments, cta.in_rows)
+        return [f.load().to(Float32) for f in fragments]
+
+    def load_vectors(self, cta: CtaView) -> list[cute.TensorSSA]:
+        """This thread's columns of every broadcast vector as float32, zero outside the row."""
+        fragments = self._fragments(cta.vectors, (0.0,) * len(cta.vectors))
+        self._copy_in(cta, cta.vectors, fragments, True)
+        return [f.load().to(Float32) for f in fragments]
+
+    def _fragments(self, partitions, fills):
         fragments = []
-        for tXgX, fill in zip(cta.sources, fills, strict=True):
+        for tXgX, fill in zip(partitions, fills, strict=True):
             tXrX = cute.make_rmem_tensor_like(tXgX)
             tXrX.fill(fill)
             fragments.append(tXrX)
-        self._copy_in(cta, tuple(fragments))
-        return [f.load().to(Float32) for f in fragments]
+        return tuple(fragments)
 
     @cute.jit
-    def _copy_in(self, cta: CtaView, fragments: tuple):
-        if cta.in_rows:
+    def _copy_in(self, cta: CtaView, partitions: list, fragments: tuple, when):
+        if when:
             for i in cutlass.range_constexpr(len(fragments)):
-                cute.copy(cta.atom, cta.sources[i], fragments[i], pred=cta.tXpX)
+                src = partitions[i]
+                cute.copy(self.atom(src.element_type), src, fragments[i], pred=cta.tXpX)
 
     @cute.jit
     def store(self, cta: CtaView, values: cute.TensorSSA, tXgY: cute.Tensor):
         tXrY = cute.make_rmem_tensor_like(tXgY)
-        tXrY.store(values.to(self.dtype))
+        tXrY.store(values.to(tXgY.element_type))
         if cta.in_rows:
-            cute.copy(cta.atom, tXrY, tXgY, pred=cta.tXpX)
+            cute.copy(self.atom(tXgY.element_type), tXrY, tXgY, pred=cta.tXpX)
+
+    @cute.jit
+    def load_stat(self, cta: CtaView, ptr: cute.Pointer, m: Int32) -> Float32:
+        """This thread's row of a float32 (m,) tensor (0 for rows past the end)."""
+        value = Float32(0.0)
+        if cta.in_rows:
+            value = cute.make_tensor(ptr, cute.make_layout(m))[cta.row]
+        return value
+
+    @cute.jit
+    def store_stat(self, cta: CtaView, ptr: cute.Pointer, m: Int32, value: Float32):
+        """Write this thread's row of a float32 (m,) tensor, once per row."""
+        if cta.in_rows and cta.first_col:
+            cute.make_tensor(ptr, cute.make_layout(m))[cta.row] = value
+
+    @cute.jit
+    def zero_outside(self, cta: CtaView, values: cute.TensorSSA) -> cute.TensorSSA:
+        """``values`` with the vectors past the end of the row set to zero."""
+        out = values
+        if const_expr(not self.even_cols):
+            frag = cute.make_rmem_tensor(values.shape, Float32)
+            frag.store(values)
+            for v in cutlass.range_constexpr(cute.size(cta.tXpX, mode=[0])):
+                for k in cutlass.range_constexpr(cute.size(cta.tXpX, mode=[2])):
+                    for i in cutlass.range_constexpr(cute.size(frag, mode=[0, 0])):
+                        frag[(i, v), 0, k] = cutlass.select_(
+                            cta.tXpX[v, 0, k], frag[(i, v), 0, k], Float32(0.0)
+                        )
+            out = frag.load()
+        return out
 
     @cute.jit
     def column_predicates(self, tXcX: cute.Tensor, col0: Int32) -> cute.Tensor:
@@ -153,46 +225,60 @@ class RowKernel:
         tpr = self.tiling.threads_per_row
         return cute.arch.warp_reduction(val, op, threads_in_group=min(tpr, cute.arch.WARP_SIZE))
 
-    def allocate_reduction(self, smem):
-        """The mbarrier (clusters only) and the buffer of (rows, warps x ranks, words) partials."""
+    def allocate_reduction(self, smem) -> Reduction:
+        """The mbarriers (clusters only) and ``copies`` buffers of (rows, warps x ranks,
+        words) partials."""
         t = self.tiling
         mbar = None
         if const_expr(t.cluster_n > 1):
-            mbar = smem.allocate_array(Int64, num_elems=2)
+            mbar = smem.allocate_array(Int64, num_elems=max(self.copies, 2))
         buf = None
         if const_expr(self.needs_buffer):
             buf = smem.allocate_tensor(
                 Float32,
                 cute.make_ordered_layout(
-                    (t.rows_per_cta, t.warps_per_row * t.cluster_n, self.words), order=(2, 1, 0)
+                    (self.copies, t.rows_per_cta, t.warps_per_row * t.cluster_n, self.words),
+                    order=(3, 2, 1, 0),
                 ),
                 byte_alignment=16,
             )
-        return buf, mbar
+        return Reduction(buf, mbar)
 
     @cute.jit
     def init_cluster(self, mbar):
-        """Arm the cluster barrier; peers must not store into us before this."""
+        """Arm the cluster barriers; peers must not store into us before this."""
         if const_expr(self.tiling.cluster_n > 1):
             if cute.arch.thread_idx()[0] == 0:
-                cute.arch.mbarrier_init(mbar, 1)
+                for i in cutlass.range_constexpr(self.copies):
+                    cute.arch.mbarrier_init(mbar + i, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.cluster_arrive_relaxed()
 
     @cute.jit
-    def publish(self, vals, buf, mbar):
-        """Each warp stores its row's partials in slot (row, warp, rank) of all cluster CTAs."""
+    def publish(self, vals, reduction: Reduction, copy, phase, first: cutlass.Constexpr[bool]):
+        """Each warp stores its row's partials in slot (row, warp, rank) of buffer ``copy``
+        of every CTA of the cluster; returns that buffer once every slot is written.
+
+        A cluster's first reduction waits for every peer to arm its barriers. Buffers are
+        reused round-robin: a CTA writes buffer k again only after its peers have passed
+        the reduction that followed k's last use, so a kernel with ``copies`` = 2 can
+        reduce in a loop with one barrier per round trip (``phase`` alternates every
+        second use of a buffer).
+        """
         t = self.tiling
         lane, warp = cute.arch.lane_idx(), cute.arch.warp_idx()
         row, wcol = warp // t.warps_per_row, warp % t.warps_per_row
+        buf = reduction.buf[copy, None, None, None]
         if const_expr(t.cluster_n == 1):
             if lane == 0:
                 for j in cutlass.range_constexpr(len(vals)):
                     buf[row, wcol, j] = vals[j]
             cute.arch.barrier()
         else:
+            mbar = reduction.mbar + copy
             rank = cute.arch.block_idx_in_cluster()
-            cute.arch.cluster_wait()
+            if const_expr(first):
+                cute.arch.cluster_wait()
             if warp == 0:
                 with cute.arch.elect_one():
                     nbytes = t.reduction_slots() * self.words * 4
@@ -201,7 +287,8 @@ class RowKernel:
                 slot = buf.iterator + cute.crd2idx((row, wcol * t.cluster_n + rank, 0), buf.layout)
                 padding = (Float32(0.0),) * (self.words - len(vals))
                 store_remote((*vals, *padding), slot, mbar, lane)
-            cute.arch.mbarrier_wait(mbar, 0)
+            cute.arch.mbarrier_wait(mbar, phase)
+        return buf
 
     @cute.jit
     def gathered(self, buf, j: cutlass.Constexpr[int], fill: float):
@@ -219,7 +306,37 @@ class RowKernel:
         return out
 
     @cute.jit
-    def row_softmax(self, x: cute.TensorSSA, buf, mbar, t=None, t_times_e: bool = True):
+    def row_sums(
+        self,
+        values: tuple,
+        reduction: Reduction,
+        copy=0,
+        phase=0,
+        first: cutlass.Constexpr[bool] = True,
+    ) -> tuple:
+        """The sums over the whole row of each of ``values`` (this thread's elements), in
+        one round trip through buffer ``copy`` (see ``publish``)."""
+        sums = [
+            self.row_group_reduce(
+                v.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
+            )
+            for v in values
+        ]
+        if const_expr(self.needs_buffer):
+            buf = self.publish(sums, reduction, copy, phase, first)
+            sums = [
+                cute.arch.warp_reduction(
+                    self.gathered(buf, j, 0.0)
+                    .load()
+                    .reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                    operator.add,
+                )
+                for j in range(len(values))
+            ]
+        return tuple(sums)
+
+    @cute.jit
+    def row_softmax(self, x: cute.TensorSSA, reduction: Reduction, t=None, t_times_e: bool = True):
         """Row statistics of softmax(x) in one reduction round trip.
 
         Returns (m, s, e, w): the row max m, s = sum(exp(x - m)), this thread's
@@ -245,7 +362,9 @@ class RowKernel:
                 operator.add,
             )
         if const_expr(self.needs_buffer):
-            self.publish((m, s) if const_expr(t is None) else (m, s, w), buf, mbar)
+            buf = self.publish(
+                (m, s) if const_expr(t is None) else (m, s, w), reduction, 0, 0, True
+            )
             ms = self.gathered(buf, 0, -Float32.inf)
             m_row = cute.arch.warp_reduction(
                 ms.load().reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),

@@ -29,15 +29,18 @@ class SoftmaxForward(RowKernel):
         super().__init__(dtype, tiling)
         self.log = log
 
+    def compile_args(self):
+        return self.pointer(self.dtype), self.pointer(self.dtype), Int32(0)
+
     @cute.jit
     def __call__(self, px: cute.Pointer, py: cute.Pointer, m: Int32, stream: cuda.CUstream):
         self.kernel(px, py, m).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
     def kernel(self, px: cute.Pointer, py: cute.Pointer, m: Int32):
-        cta = self.setup(m, [px], [py])
+        cta, reduction = self.setup(m, [px], [py])
         (x,) = self.load(cta, (-float("inf"),))
-        row_max, row_sum, e, _ = self.row_softmax(x, cta.buf, cta.mbar)
+        row_max, row_sum, e, _ = self.row_softmax(x, reduction)
         if const_expr(self.log):
             # (x - max) first: exact near the max, where x - lse would cancel.
             y = (x - finite_or_zero(row_max)) - cute.math.log2(row_sum, fastmath=True) * LN_2
@@ -55,6 +58,9 @@ class SoftmaxDerivative(RowKernel):
         assert kind in self.KINDS
         self.kind = kind
 
+    def compile_args(self):
+        return (*(self.pointer(self.dtype) for _ in range(3)), Int32(0))
+
     @cute.jit
     def __call__(
         self,
@@ -68,9 +74,9 @@ class SoftmaxDerivative(RowKernel):
 
     @cute.kernel
     def kernel(self, pt: cute.Pointer, px: cute.Pointer, pout: cute.Pointer, m: Int32):
-        cta = self.setup(m, [pt, px], [pout])
+        cta, reduction = self.setup(m, [pt, px], [pout])
         tt, x = self.load(cta, (0.0, -float("inf")))
-        _, s, e, w = self.row_softmax(x, cta.buf, cta.mbar, t=tt, t_times_e=self.kind != "log_vjp")
+        _, s, e, w = self.row_softmax(x, reduction, t=tt, t_times_e=self.kind != "log_vjp")
         inv_s = cute.arch.rcp_approx(s)
         if const_expr(self.kind == "softmax"):
             out = (e * inv_s) * (tt - w * inv_s)

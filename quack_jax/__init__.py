@@ -6,7 +6,8 @@ reference with the same semantics.
 """
 
 from ._cache import MissingKernelError
+from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
-__all__ = ["MissingKernelError", "log_softmax", "softmax"]
+__all__ = ["MissingKernelError", "layer_norm", "log_softmax", "rms_norm", "softmax"]

@@ -2,9 +2,10 @@
 
 One JSON file per kernel configuration holds the cubin (base64), its kernel symbol, its
 dynamic shared memory and a SHA-256 of the cubin. Files are named by op, dtype, row
-length, tiling, arch, a hash of the kernel sources and the CuTe-DSL version that built
-them, written atomically (temporary file, then rename), and checked against their
-SHA-256 when read, so concurrent writers and torn files are both harmless.
+length, tiling, variant (the op's options: other dtypes, optional operands), arch, a
+hash of the kernel sources and the CuTe-DSL version that built them, written
+atomically (temporary file, then rename), and checked against their SHA-256 when read,
+so concurrent writers and torn files are both harmless.
 
 The folder is ``$QUACK_JAX_CACHE``, else ``$XDG_CACHE_HOME/quack_jax``, else
 ``~/.cache/quack_jax``. On a miss the kernel is compiled with CuTe-DSL, imported only
@@ -21,6 +22,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import struct
 import tempfile
 import threading
 import warnings
@@ -44,6 +46,35 @@ class CubinKernel:
         """A signed 64-bit digest of cubin and symbol: the launcher's module-cache key."""
         h = hashlib.sha256(self.cubin + self.symbol.encode()).digest()
         return int.from_bytes(h[:8], "little", signed=True)
+
+    @property
+    def registers(self) -> int:
+        """Registers per thread, from the cubin's EIATTR_REGCOUNT (0 if absent)."""
+        return cubin_registers(self.cubin)
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """The register count in the ``.nv.info`` section of an ELF64 cubin: attribute
+    records are (format u8, attribute u8, then a u16 size and payload for format 4), and
+    EIATTR_REGCOUNT (0x2f) holds (function symbol u32, registers u32)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = sections[names][4]
+    for name, _, _, _, offset, size, *_ in sections:
+        if cubin[strtab + name : cubin.index(b"\0", strtab + name)] != b".nv.info":
+            continue
+        at = offset
+        while at < offset + size:
+            fmt, attr = cubin[at], cubin[at + 1]
+            if fmt == 4:
+                length = struct.unpack_from("<H", cubin, at + 2)[0]
+                if attr == 0x2F:
+                    return struct.unpack_from("<I", cubin, at + 8)[0]
+                at += 4 + length
+            else:
+                at += 4 if fmt in (2, 3) else 2
+    return 0
 
 
 def cache_dir() -> pathlib.Path:
@@ -77,8 +108,12 @@ def source_hash() -> str:
     return _source_hash
 
 
-def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
-    return f"{op}-{dtype}-n{tiling.n}-{tiling.tag}-{arch}-{source_hash()}"
+def variant_tag(variant: tuple) -> str:
+    return "".join(f"-{k}={v}" for k, v in variant)
+
+
+def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple = ()) -> str:
+    return f"{op}{variant_tag(variant)}-{dtype}-n{tiling.n}-{tiling.tag}-{arch}-{source_hash()}"
 
 
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
@@ -125,13 +160,15 @@ def _write(path: pathlib.Path, kernel: CubinKernel, version: str) -> None:
         )
 
 
-def get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str) -> CubinKernel:
+def get_kernel(
+    op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple = ()
+) -> CubinKernel:
     """The cubin for one configuration: from memory, the cache folder, or a fresh compile."""
-    key = (op, dtype, tiling, arch, os.environ.get("QUACK_JAX_CACHE"))
+    key = (op, dtype, tiling, arch, variant, os.environ.get("QUACK_JAX_CACHE"))
     with _lock:
         if key in _memory:
             return _memory[key]
-        stem = entry_stem(op, dtype, tiling, arch)
+        stem = entry_stem(op, dtype, tiling, arch, variant)
         folder = cache_dir()
         version = dsl_version()
         # Without CuTe-DSL any build of these sources will do; with it, only its own.
@@ -142,14 +179,15 @@ def get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str) -> CubinKernel
                 return kernel
         if version is None:
             raise MissingKernelError(
-                f"quack_jax has no cubin for {op} ({dtype}, n={tiling.n}, {tiling.tag}, {arch}) "
+                f"quack_jax has no cubin for {op}{variant_tag(variant)} ({dtype}, n={tiling.n}, "
+                f"{tiling.tag}, {arch}) "
                 f"in {folder}, and nvidia-cutlass-dsl is not installed to compile it. Install "
                 f"it with `pip install 'quack-jax[cuda]'`, or build the cubin elsewhere with "
                 f"`{build_command(op, dtype, tiling, arch)}` and point QUACK_JAX_CACHE at it."
             )
         from . import kernels
 
-        compiled = kernels.compile_kernel(op, dtype, tiling, arch)
+        compiled = kernels.compile_kernel(op, dtype, tiling, arch, variant)
         kernel = CubinKernel(op, compiled.symbol, compiled.cubin, compiled.smem_bytes)
         _write(folder / f"{stem}-dsl{version}.json", kernel, version)
         _memory[key] = kernel

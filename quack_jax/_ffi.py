@@ -47,32 +47,36 @@ def captured_launches() -> int:
     return lib.QuackJaxCapturedLaunches()
 
 
-def launch(
-    ctx,
-    operands,
+def call(
     kernel: CubinKernel,
     grid: tuple[int, int, int],
     block: tuple[int, int, int],
     cluster: tuple[int, int, int],
-    scalars: tuple[int, ...],
+    scalars: tuple[int | float, ...],
+    results,
 ):
-    """Lower to one launch of ``kernel``: pointers to ``operands`` then to the results
-    (shapes from ``ctx.avals_out``, row-major), then the 32-bit ``scalars``.
+    """A function of the operands that launches ``kernel`` once: pointers to the operands
+    then to the ``results`` (shape-dtype structs, row-major), then the ``scalars``, each
+    32 bits (ints as int32, floats as float32).
 
     With ``QUACK_JAX_POISON_OUTPUTS=1`` at lowering time the launcher fills the outputs
     with NaN first, so a test sees any element the kernel fails to write.
     """
     register_target()
-    return jax.ffi.ffi_lowering(TARGET)(
-        ctx,
-        *operands,
+    words = np.asarray(
+        [np.float32(v).view(np.int32) if isinstance(v, float) else np.int32(v) for v in scalars],
+        dtype=np.int32,
+    )
+    attributes = dict(
         cubin=np.frombuffer(kernel.cubin, dtype=np.uint8),
-        cubin_hash=kernel.digest,
+        cubin_hash=np.int64(kernel.digest),
         kernel=kernel.symbol,
         grid=np.asarray(grid, dtype=np.int64),
         block=np.asarray(block, dtype=np.int64),
         cluster=np.asarray(cluster, dtype=np.int64),
-        smem=kernel.smem_bytes,
-        scalars=np.asarray(scalars, dtype=np.int32),
-        poison=int(os.environ.get("QUACK_JAX_POISON_OUTPUTS") == "1"),
+        smem=np.int64(kernel.smem_bytes),
+        scalars=words,
+        poison=np.int64(os.environ.get("QUACK_JAX_POISON_OUTPUTS") == "1"),
     )
+    launch = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results])
+    return lambda *operands: launch(*operands, **attributes)

@@ -1,11 +1,12 @@
 """Row-wise kernels as JAX primitives, lowered per platform.
 
-Each kernel is a primitive whose operands and results are ``(..., n)`` arrays of one
-shape, reduced over the last axis. On a CUDA device whose arch has kernels it lowers to
-one launch of a cubin; everywhere else (CPU, TPU, other GPUs, dtypes or sizes the kernels
-do not cover) it lowers to an XLA reference with the same semantics. The choice is made
-when the computation is lowered for a platform, so one jitted function runs on CPU and
-GPU devices in the same process. Batching moves the batch axis into the leading rows.
+Each kernel is a primitive whose first operand is an ``(..., n)`` array reduced over its
+last axis. On a CUDA device whose arch has kernels it lowers to one launch of a cubin;
+everywhere else (CPU, TPU, other GPUs, dtypes or sizes the kernels do not cover) it
+lowers to an XLA reference with the same semantics. The choice is made when the
+computation is lowered for a platform, so one jitted function runs on CPU and GPU devices
+in the same process. By default operands and results are all of the first operand's
+shape, and batching moves the batch axis into the leading rows.
 
 Differentiation: an op gives its primitive a JVP rule built from kernels, and a linear
 primitive a transpose rule, so ``jax.grad`` and ``jax.jvp`` run kernels in both
@@ -15,6 +16,7 @@ derivative order (``jax.hessian``, forward-over-reverse) available through XLA.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _ffi
 from ._cache import get_kernel
-from ._tiling import choose_tiling
+from ._tiling import RowTiling, choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
 KERNEL_ARCHS = {"9.0": "sm_90a"}
@@ -35,8 +37,20 @@ KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 MAX_ROWS = 2**31 - 1
 
 
-def kernel_arch(ctx: mlir.LoweringRuleContext) -> str | None:
-    """The kernel arch of the CUDA devices being lowered for, or None if they have none.
+# SMs of the devices lowered for when none is present (an H100 SXM or H200 has 132)
+DEFAULT_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What kernels are lowered for: the arch and the number of SMs per device."""
+
+    arch: str
+    sms: int = DEFAULT_SMS
+
+
+def kernel_target(ctx: mlir.LoweringRuleContext) -> Target | None:
+    """The kernel target of the CUDA devices being lowered for, or None if they have none.
 
     Lowering for CUDA where no CUDA device is present (``jax.export`` for a GPU from a
     CPU host) uses the arch in ``$QUACK_JAX_CUDA_ARCH`` (``sm_90a``), if set.
@@ -47,35 +61,61 @@ def kernel_arch(ctx: mlir.LoweringRuleContext) -> str | None:
         backend = None
     if backend is None:
         arch = os.environ.get("QUACK_JAX_CUDA_ARCH")
-        return arch if arch in KERNEL_ARCHS.values() else None
-    capabilities = {getattr(d, "compute_capability", None) for d in backend.local_devices()}
-    return KERNEL_ARCHS.get(capabilities.pop()) if len(capabilities) == 1 else None
+        return Target(arch) if arch in KERNEL_ARCHS.values() else None
+    devices = backend.local_devices()
+    capabilities = {getattr(d, "compute_capability", None) for d in devices}
+    arch = KERNEL_ARCHS.get(capabilities.pop()) if len(capabilities) == 1 else None
+    if arch is None:
+        return None
+    return Target(arch, min(getattr(d, "core_count", DEFAULT_SMS) for d in devices))
+
+
+def rows(aval) -> int:
+    return math.prod(aval.shape[:-1])
+
+
+def row_tiling(aval, family: str, vec_itemsize: int | None = None) -> RowTiling | None:
+    """The tiling of ``family`` for rows like ``aval``'s, or None where the kernels do not
+    apply (dtype, empty or too many rows, rows too long to hold on chip)."""
+    n, m = aval.shape[-1], rows(aval)
+    if aval.dtype.name in KERNEL_DTYPES and n > 0 and 0 < m <= MAX_ROWS:
+        return choose_tiling(family, n, aval.dtype.itemsize, vec_itemsize)
+    return None
+
+
+def kernel_call(target: Target, op, aval, tiling, results, scalars=(), variant=()):
+    """A function of the operands that launches kernel ``op`` once per row block of rows
+    like ``aval``'s, with scalars ``(m, *scalars)``."""
+    m = rows(aval)
+    kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
+    return _ffi.call(kernel, tiling.grid(m), tiling.block, tiling.cluster, (m, *scalars), results)
 
 
 class RowwisePrimitive:
-    """``reference(*operands, **params)`` gives the results; ``kernel_op(**params)`` names
-    the kernel of ``family`` (see ``_tiling.choose_tiling``) that computes them."""
+    """``reference(*operands, **params)`` gives the results. ``kernel(target, avals_in,
+    avals_out, **params)`` gives a function of the operands that computes them with
+    kernels for ``target`` (see ``kernel_call``), or None to use the reference."""
 
     def __init__(
         self,
         name: str,
         *,
-        family: str,
-        kernel_op: Callable[..., str],
+        kernel: Callable,
         reference: Callable[..., tuple],
         num_outputs: int = 1,
+        abstract: Callable | None = None,
+        batch: Callable | None = None,
         jvp: Callable | None = None,
         transpose: Callable | None = None,
     ):
-        self.family = family
-        self.kernel_op = kernel_op
+        self.kernel = kernel
         self.reference = reference
         self.num_outputs = num_outputs
         p = self.primitive = core.Primitive(name)
         p.multiple_results = True
         p.def_impl(lambda *args, **params: dispatch.apply_primitive(p, *args, **params))
-        p.def_abstract_eval(self._abstract_eval)
-        batching.primitive_batchers[p] = self._batch
+        p.def_abstract_eval(abstract or self._abstract_eval)
+        batching.primitive_batchers[p] = batch or self._batch
         ad.primitive_jvps[p] = jvp or self._reference_jvp
         if transpose:
             ad.primitive_transposes[p] = transpose
@@ -105,16 +145,8 @@ class RowwisePrimitive:
         return self.bind(*moved, **params), [0] * self.num_outputs
 
     def _lower_cuda(self, ctx, *operands, **params):
-        aval = ctx.avals_in[0]
-        n, m = aval.shape[-1], math.prod(aval.shape[:-1])
-        dtype = aval.dtype.name
-        arch = kernel_arch(ctx)
-        tiling = None
-        if arch and dtype in KERNEL_DTYPES and n > 0 and 0 < m <= MAX_ROWS:
-            tiling = choose_tiling(self.family, n, aval.dtype.itemsize)
-        if tiling is None:
+        target = kernel_target(ctx)
+        fn = target and self.kernel(target, ctx.avals_in, ctx.avals_out, **params)
+        if not fn:
             return self._lower_reference(ctx, *operands, **params)
-        kernel = get_kernel(self.kernel_op(**params), dtype, tiling, arch)
-        return _ffi.launch(
-            ctx, operands, kernel, tiling.grid(m), tiling.block, tiling.cluster, (m,)
-        )
+        return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)

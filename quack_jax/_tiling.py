@@ -83,11 +83,13 @@ class RowTiling:
         """Slots of the shared reduction buffer: one per (row, warp of the row, cluster rank)."""
         return self.rows_per_cta * self.warps_per_row * self.cluster_n
 
-    def smem_bytes(self, words: int) -> int:
-        """Dynamic shared memory: the mbarrier (clusters only), then the reduction buffer."""
+    def smem_bytes(self, words: int, copies: int = 1) -> int:
+        """Dynamic shared memory: the mbarriers (clusters only), then ``copies`` reduction
+        buffers (a kernel with several round trips in flight keeps one per round trip)."""
         needs_buffer = self.warps_per_row > 1 or self.cluster_n > 1
-        buffer = self.reduction_slots() * words * 4 if needs_buffer else 0
-        return (16 if self.cluster_n > 1 else 0) + _round_up(buffer, 16)
+        buffer = self.reduction_slots() * words * 4 * copies if needs_buffer else 0
+        barriers = _round_up(8 * copies, 16) if self.cluster_n > 1 else 0
+        return barriers + _round_up(buffer, 16)
 
     @property
     def tag(self) -> str:
@@ -103,13 +105,16 @@ def _pow2_at_least(x: int) -> int:
 
 
 def max_vec(n: int, itemsize: int) -> int:
-    """Widest access (elements, at most 16 bytes) that keeps every row start aligned."""
+    """Widest access (elements, at most 16 bytes of ``itemsize``-byte elements) that keeps
+    every row start aligned. A kernel that also reads wider elements (float32 weights
+    with bfloat16 rows) passes the widest itemsize, so that every access fits 16 bytes."""
     return math.gcd(16 // itemsize, n)
 
 
 def make_tiling(n: int, itemsize: int, threads_per_row: int, num_threads: int, cluster_n: int):
-    """A tiling for rows of ``n`` elements, shrunk to fit small rows: fewer threads per row
-    than vectors in it, and no more CTAs per row than can each own a part of it."""
+    """A tiling for rows of ``n`` elements of at most ``itemsize`` bytes, shrunk to fit
+    small rows: fewer threads per row than vectors in it, and no more CTAs per row than
+    can each own a part of it."""
     vec = max_vec(n, itemsize)
     threads_per_row = min(threads_per_row, _pow2_at_least(-(-n // vec)))
     if threads_per_row < WARP:
@@ -157,8 +162,19 @@ _TABLES = {
         (256 * _K, (256, 256, 16)),
     ],
 }
+_TABLES["norm_fwd", 2] = _TABLES["softmax_fwd", 2]
+_TABLES["norm_fwd", 4] = _TABLES["softmax_fwd", 4]
+_TABLES["norm_bwd", 2] = [
+    (1 * _K, (32, 128, 1)),
+    (4 * _K, (128, 128, 1)),
+    (16 * _K, (256, 256, 2)),
+    (64 * _K, (256, 256, 8)),
+]
+_TABLES["norm_bwd", 4] = _TABLES["norm_bwd", 2]
 # Register budget: the values a thread keeps live, beyond which the kernel would spill.
-_MAX_ELEMS_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 64}
+# Norm kernels keep several values per element (x, weight, bias; in the backward also
+# the cotangent and the weight-gradient accumulators).
+_MAX_ELEMS_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 64, "norm_fwd": 64, "norm_bwd": 32}
 
 
 _overrides: dict[tuple[str, int, int], RowTiling] = {}
@@ -179,12 +195,14 @@ def override_tiling(family: str, n: int, itemsize: int, tiling: RowTiling):
             _overrides[key] = previous
 
 
-def candidate_tilings(family: str, n: int, itemsize: int) -> list[RowTiling]:
+def candidate_tilings(
+    family: str, n: int, itemsize: int, vec_itemsize: int | None = None
+) -> list[RowTiling]:
     """The tilings the benchmark's tuner tries: for every mix of threads per row and CTA
     size, the two smallest clusters that fit the register budget, keeping each thread at
     least 32 elements (or 8 vectors) so that enough loads are in flight."""
     budget = _MAX_ELEMS_PER_THREAD[family]
-    vec = max_vec(n, itemsize)
+    vec = max_vec(n, max(itemsize, vec_itemsize or 0))
     out = []
     for tpr, threads in itertools.product((8, 16, 32, 64, 128, 256, 512), (128, 256, 512)):
         fitting = []
@@ -193,17 +211,21 @@ def candidate_tilings(family: str, n: int, itemsize: int) -> list[RowTiling]:
                 tiling = RowTiling(n, vec, tpr, threads, cluster)
             except ValueError:
                 continue
-            if min(8 * vec, 32) <= tiling.elems_per_thread <= budget:
+            if min(8 * vec, 32, budget) <= tiling.elems_per_thread <= budget:
                 fitting.append(tiling)
         out += fitting[:2]
     return out
 
 
-def choose_tiling(family: str, n: int, itemsize: int) -> RowTiling | None:
+def choose_tiling(
+    family: str, n: int, itemsize: int, vec_itemsize: int | None = None
+) -> RowTiling | None:
     """The tiling for a kernel family, or None when ``n`` is beyond what the kernels hold on chip.
 
-    Starts from the tables, then spreads a row over more threads, and then over more CTAs,
-    until each thread's share fits its register budget.
+    ``itemsize`` is the row dtype's and picks the table; ``vec_itemsize``, the widest
+    element the kernel reads (weights), bounds the vector width. Starts from the tables,
+    then spreads a row over more threads, and then over more CTAs, until each thread's
+    share fits its register budget.
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
@@ -211,7 +233,7 @@ def choose_tiling(family: str, n: int, itemsize: int) -> RowTiling | None:
     tpr, threads, cluster = next((v for limit, v in table if n <= limit), table[-1][1])
     budget = _MAX_ELEMS_PER_THREAD[family]
     while True:
-        tiling = make_tiling(n, itemsize, tpr, threads, cluster)
+        tiling = make_tiling(n, max(itemsize, vec_itemsize or 0), tpr, threads, cluster)
         if tiling.elems_per_thread <= budget:
             return tiling
         if tpr < 256:

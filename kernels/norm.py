@@ -1,0 +1,217 @@
+"""RMSNorm and LayerNorm over the last axis: forward and backward kernels.
+
+Forward, one read of each input and one write of each output. The row ``h`` is x, or
+with a residual ``x + residual`` rounded to x's dtype (what an unfused add would give;
+it is also written out as the pre-norm residual stream). Then, in float32:
+    LayerNorm: mean = sum(h) / n, rstd = rsqrt(sum((h - mean)^2) / n + eps)
+    RMSNorm:   mean = 0,          rstd = rsqrt(sum(h^2) / n + eps)
+    y = (h - mean) * rstd * (w + offset) + b
+LayerNorm sums the centred row in a second round trip instead of sum(h^2) / n - mean^2,
+which cancels when the mean is large. rstd (and mean) are written per row, in float32,
+for the backward.
+
+Backward, with xhat = (h - mean) * rstd and g = dy * (w + offset):
+    dx = rstd * (g - xhat * sum(g * xhat) / n - sum(g) / n)    (RMSNorm: no sum(g) term)
+plus the cotangent of h when the forward returned it (pre-norm blocks). The grid is
+persistent: each CTA walks row blocks bx, bx + gridDim.x, ... and keeps float32
+running sums of dy * xhat (weight gradient) and dy (bias gradient) for its columns;
+at the end its rows are combined in shared memory and it writes one row of a
+(gridDim.x, n) float32 partial, which the caller sums. No atomics: the result is the
+same bit for bit on every run with the same grid.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .rowwise import RowKernel
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+class NormForward(RowKernel):
+    def __init__(self, dtype, tiling, *, rms, residual=False, weight=None, bias=None, out=None):
+        self.copies = 1 if rms else 2  # LayerNorm: mean, then the centred sum of squares
+        super().__init__(dtype, tiling)
+        self.rms, self.residual = rms, residual
+        self.weight, self.bias, self.out = weight, bias, out or dtype
+
+    def compile_args(self):
+        p, stat = self.pointer, lambda: self.pointer(Float32, row=False)
+        return (
+            p(self.dtype),
+            p(self.dtype) if self.residual else None,
+            p(self.weight) if self.weight else None,
+            p(self.bias) if self.bias else None,
+            p(self.out),
+            p(self.dtype) if self.residual else None,
+            stat(),
+            None if self.rms else stat(),
+            Int32(0),
+            Float32(0.0),
+            Float32(0.0) if self.weight else None,
+        )
+
+    @cute.jit
+    def __call__(
+        self, px, pres, pw, pb, py, ph, prstd, pmean, m: Int32, eps, offset, stream: cuda.CUstream
+    ):
+        self.kernel(px, pres, pw, pb, py, ph, prstd, pmean, m, eps, offset).launch(
+            **self.launch_args(m), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, px, pres, pw, pb, py, ph, prstd, pmean, m: Int32, eps, offset):
+        n = self.tiling.n
+        inputs = [px, pres] if const_expr(self.residual) else [px]
+        outputs = [py, ph] if const_expr(self.residual) else [py]
+        vectors = [v for v in (pw, pb) if const_expr(v is not None)]
+        cta, reduction = self.setup(m, inputs, outputs, vectors)
+        rows = self.load(cta, (0.0,) * len(inputs))
+        h = rows[0]
+        if const_expr(self.residual):
+            h = (rows[0] + rows[1]).to(self.dtype).to(Float32)
+            self.store(cta, h, cta.destinations[1])
+        vecs = self.load_vectors(cta)
+        if const_expr(self.rms):
+            (squares,) = self.row_sums((h * h,), reduction)
+            centred = h
+        else:
+            (total,) = self.row_sums((h,), reduction)
+            mean = total * (1.0 / n)
+            self.store_stat(cta, pmean, m, mean)
+            centred = self.zero_outside(cta, h - mean)
+            (squares,) = self.row_sums((centred * centred,), reduction, copy=1, first=False)
+        rstd = cute.math.rsqrt(squares * (1.0 / n) + eps, fastmath=True)
+        self.store_stat(cta, prstd, m, rstd)
+        y = centred * rstd
+        if const_expr(self.weight is not None):
+            y = y * (vecs[0] + offset)
+        if const_expr(self.bias is not None):
+            y = y + vecs[-1]
+        self.store(cta, y, cta.destinations[0])
+
+
+class NormBackward(RowKernel):
+    copies = 2  # the loop reduces into two buffers in turn
+
+    def __init__(
+        self, dtype, tiling, *, rms, weight=None, dh=False, weight_grad=False, bias_grad=False
+    ):
+        self.words = 1 if rms else 2
+        super().__init__(dtype, tiling)
+        self.rms, self.weight, self.dh = rms, weight, dh
+        self.grads = [g for g, on in (("weight", weight_grad), ("bias", bias_grad)) if on]
+        t = tiling
+        # one (rows, columns) float32 tile per gradient to add up the rows of a CTA
+        self.partial_tile = (t.rows_per_cta, t.cols_per_cta) if t.rows_per_cta > 1 else None
+        if self.partial_tile:
+            self.smem_bytes += len(self.grads) * _round_up(t.rows_per_cta * t.cols_per_cta * 4, 16)
+
+    def compile_args(self):
+        p, stat = self.pointer, lambda: self.pointer(Float32, row=False)
+        return (
+            p(self.dtype),
+            p(self.dtype),
+            p(self.weight) if self.weight else None,
+            p(self.dtype) if self.dh else None,
+            stat(),
+            None if self.rms else stat(),
+            p(self.dtype),
+            p(Float32) if "weight" in self.grads else None,
+            p(Float32) if "bias" in self.grads else None,
+            Int32(0),
+            Float32(0.0) if self.weight else None,
+        )
+
+    @cute.jit
+    def __call__(
+        self, pdy, ph, pw, pdh, prstd, pmean, pdx, pdw, pdb, m: Int32, offset, stream: cuda.CUstream
+    ):
+        self.kernel(pdy, ph, pw, pdh, prstd, pmean, pdx, pdw, pdb, m, offset).launch(
+            **self.launch_args(m), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, pdy, ph, pw, pdh, prstd, pmean, pdx, pdw, pdb, m: Int32, offset):
+        t = self.tiling
+        n = t.n
+        smem = cutlass.memory.SmemAllocator()
+        reduction = self.allocate_reduction(smem)
+        tiles = []
+        if const_expr(self.partial_tile is not None):
+            for _ in cutlass.range_constexpr(len(self.grads)):
+                tiles.append(
+                    smem.allocate_tensor(
+                        Float32,
+                        cute.make_ordered_layout(self.partial_tile, order=(1, 0)),
+                        byte_alignment=16,
+                    )
+                )
+        self.init_cluster(reduction.mbar)
+        if const_expr(t.cluster_n > 1):
+            cute.arch.cluster_wait()
+        first_block = cute.arch.block_idx()[0]
+        stride = cute.arch.grid_dim()[0]
+        inputs = [pdy, ph, pdh] if const_expr(self.dh) else [pdy, ph]
+        start = self.view(
+            m, first_block, inputs, [pdx], [pw] if const_expr(self.weight is not None) else []
+        )
+        w = None
+        if const_expr(self.weight is not None):
+            (w,) = self.load_vectors(start)
+            w = w + offset
+        sums = []
+        for _ in cutlass.range_constexpr(len(self.grads)):
+            acc = cute.make_rmem_tensor_like(start.sources[0], Float32)
+            acc.fill(0.0)
+            sums.append(acc)
+        iters = (cute.ceil_div(m, t.rows_per_cta) - first_block + stride - 1) // stride
+        for it in cutlass.range(iters):
+            cta = self.view(m, first_block + it * stride, inputs, [pdx])
+            rows = self.load(cta, (0.0,) * len(inputs))
+            dy, h = rows[0], rows[1]
+            rstd = self.load_stat(cta, prstd, m)
+            centred = h
+            if const_expr(not self.rms):
+                centred = h - self.load_stat(cta, pmean, m)
+            xhat = centred * rstd
+            g = dy * w if const_expr(self.weight is not None) else dy
+            terms = (g * xhat,) if const_expr(self.rms) else (g * xhat, g)
+            totals = self.row_sums(terms, reduction, it % 2, (it // 2) % 2, first=False)
+            dx = g - xhat * (totals[0] * (1.0 / n))
+            if const_expr(not self.rms):
+                dx = dx - totals[1] * (1.0 / n)
+            dx = dx * rstd
+            if const_expr(self.dh):
+                dx = dx + rows[2]
+            self.store(cta, dx, cta.destinations[0])
+            for i in cutlass.range_constexpr(len(self.grads)):
+                grad = dy * xhat if const_expr(self.grads[i] == "weight") else dy
+                sums[i].store(sums[i].load() + grad)
+        pointers = {"weight": pdw, "bias": pdb}
+        for i in cutlass.range_constexpr(len(self.grads)):
+            tile = tiles[i] if const_expr(self.partial_tile is not None) else None
+            self.store_partial(start, sums[i], pointers[self.grads[i]], tile)
+
+    @cute.jit
+    def store_partial(self, start, acc, ptr, tile):
+        """Add up this CTA's rows of ``acc`` and write them as row blockIdx.x of ``ptr``."""
+        t = self.tiling
+        thr = self.thread_copy()
+        if const_expr(tile is not None):
+            cute.autovec_copy(acc, thr.partition_D(tile))
+            cute.arch.barrier()
+        if cute.arch.thread_idx()[0] < t.threads_per_row:
+            if const_expr(tile is not None):
+                for r in cutlass.range_constexpr(1, t.rows_per_cta):
+                    below = cute.make_tensor(tile.iterator + r * t.cols_per_cta, tile.layout)
+                    acc.store(acc.load() + thr.partition_S(below).load())
+            col0 = cute.arch.block_idx()[1] * t.cols_per_cta
+            out = thr.partition_D(self.cta_tile(ptr, cute.arch.block_idx()[0], col0))
+            cute.copy(self.atom(Float32), acc, out, pred=start.tXpX)

@@ -1,0 +1,402 @@
+"""RMSNorm and LayerNorm over the last axis, with a fused residual add.
+
+``_forward`` computes y, h = x + residual (when there is one) and the per-row statistics
+the backward needs (rstd, and mean for LayerNorm) in one pass. ``_backward`` computes dx
+from dy, h and the statistics, plus the weight and bias gradients from per-CTA partials
+of a persistent grid; no normalised copy of x is ever stored. ``jax.grad`` reaches them
+through a ``custom_vjp``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _ffi
+from ._cache import get_kernel
+from ._checks import float_array
+from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling, rows
+
+# The GPU's register file and limits per SM, for the persistent grid (sm_90).
+_SM_REGISTERS, _SM_THREADS, _SM_CTAS, _SM_SMEM = 65536, 2048, 32, 228 * 1024
+
+
+def _compute_dtype(dtype):
+    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _split(operands, *flags):
+    """The optional operands in order, None where a flag is unset, then the rest."""
+    rest = list(operands)
+    return [rest.pop(0) if flag else None for flag in flags] + rest
+
+
+def _vmapped(reference, operands, dims, params):
+    out = jax.vmap(lambda *a: list(reference(*a, **params)), in_axes=list(dims))(*operands)
+    return out, [0] * len(out)
+
+
+def _fold(operands, dims, vectors):
+    """Operands with the batch axis first (broadcast where absent), except the vectors."""
+    size = next(x.shape[d] for x, d in zip(operands, dims, strict=True) if d is not None)
+    return [
+        x
+        if i in vectors
+        else jnp.broadcast_to(x, (size, *x.shape))
+        if d is None
+        else jnp.moveaxis(x, d, 0)
+        for i, (x, d) in enumerate(zip(operands, dims, strict=True))
+    ]
+
+
+# -- forward ------------------------------------------------------------------------
+# operands: x, [residual], [weight], [bias]; results: y, [h], rstd, [mean]
+
+
+def _forward_abstract(x, *rest, rms, residual, out_dtype, **_):
+    stat = x.update(shape=x.shape[:-1], dtype=_compute_dtype(x.dtype), weak_type=False)
+    outs = [x.update(dtype=np.dtype(out_dtype), weak_type=False)]
+    outs += [x.update(weak_type=False)] if residual else []
+    return outs + [stat] * (1 if rms else 2)
+
+
+def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, bias):
+    res, w, b = _split(rest, residual, weight, bias)
+    ct = _compute_dtype(x.dtype)
+    h = x if res is None else (x.astype(ct) + res.astype(ct)).astype(x.dtype)
+    h32 = h.astype(ct)
+    mean = jnp.zeros(h.shape[:-1], ct) if rms else jnp.mean(h32, axis=-1)
+    centred = h32 - mean[..., None]
+    rstd = lax.rsqrt(jnp.mean(centred * centred, axis=-1) + jnp.asarray(eps, ct))
+    y = centred * rstd[..., None]
+    if w is not None:
+        y = y * (w.astype(ct) + jnp.asarray(offset, ct))
+    if b is not None:
+        y = y + b.astype(ct)
+    return [y.astype(out_dtype)] + ([h] if residual else []) + [rstd] + ([] if rms else [mean])
+
+
+def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, out_dtype, **flags):
+    x = avals_in[0]
+    _, w, b = _split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
+    widest = max(a.dtype.itemsize for a in [*avals_in, avals_out[0]])
+    tiling = row_tiling(x, "norm_fwd", widest)
+    if tiling is None:
+        return None
+    variant = (
+        (("residual", True),) * flags["residual"]
+        + ((("weight", w.dtype.name),) if w is not None else ())
+        + ((("bias", b.dtype.name),) if b is not None else ())
+        + ((("out", out_dtype),) if out_dtype != x.dtype.name else ())
+    )
+    op = "rms_norm_fwd" if rms else "layer_norm_fwd"
+    scalars = (float(eps),) + ((float(offset),) if w is not None else ())
+    return kernel_call(target, op, x, tiling, avals_out, scalars, variant)
+
+
+def _forward_batch(operands, dims, **params):
+    vectors = range(1 + params["residual"], len(operands))
+    if any(dims[i] is not None for i in vectors):
+        return _vmapped(_reference_forward, operands, dims, params)
+    outs = _forward.bind(*_fold(operands, dims, vectors), **params)
+    return outs, [0] * len(outs)
+
+
+_forward = RowwisePrimitive(
+    "quack_jax_norm",
+    kernel=_forward_kernel,
+    reference=_reference_forward,
+    abstract=_forward_abstract,
+    batch=_forward_batch,
+)
+
+
+# -- backward -----------------------------------------------------------------------
+# operands: dy, h, [weight], [dh], rstd, [mean]; results: dx, [dweight], [dbias]
+
+
+def _backward_abstract(dy, h, *rest, weight_grad, bias_grad, **_):
+    n = h.shape[-1]
+    grad = h.update(shape=(n,), dtype=_compute_dtype(h.dtype), weak_type=False)
+    return [h.update(weak_type=False)] + [grad] * (weight_grad + bias_grad)
+
+
+def _normalised(h, rstd, mean):
+    ct = rstd.dtype
+    centred = h.astype(ct) if mean is None else h.astype(ct) - mean[..., None]
+    return centred * rstd[..., None]
+
+
+def _parameter_grads(dy, xhat, axes, weight_grad, bias_grad):
+    """The weight and bias gradients (those asked for): dy * xhat and dy summed over ``axes``."""
+    axes = tuple(axes)
+    return [jnp.sum(dy * xhat, axis=axes)] * weight_grad + [jnp.sum(dy, axis=axes)] * bias_grad
+
+
+def _reference_backward(dy, h, *rest, rms, offset, weight, dh, weight_grad, bias_grad):
+    w, dh_, rstd, mean = _split(rest, weight, dh) + ([None] if rms else [])
+    ct = rstd.dtype
+    xhat = _normalised(h, rstd, mean)
+    dy = dy.astype(ct)
+    g = dy if w is None else dy * (w.astype(ct) + jnp.asarray(offset, ct))
+    dx = g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
+    if not rms:
+        dx = dx - jnp.mean(g, axis=-1, keepdims=True)
+    dx = dx * rstd[..., None]
+    if dh_ is not None:
+        dx = dx + dh_.astype(ct)
+    grads = _parameter_grads(dy, xhat, range(h.ndim - 1), weight_grad, bias_grad)
+    return [dx.astype(h.dtype), *grads]
+
+
+def resident_ctas(kernel, tiling, sms: int) -> int:
+    """How many CTAs of ``kernel`` the GPU holds at once (one wave of a persistent grid)."""
+    warps = tiling.num_threads // 32
+    per_warp = -(-max(kernel.registers, 1) * 32 // 256) * 256
+    per_sm = min(
+        _SM_CTAS,
+        _SM_REGISTERS // (per_warp * warps),
+        _SM_THREADS // tiling.num_threads,
+        _SM_SMEM // (kernel.smem_bytes + 1024),
+    )
+    return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
+
+
+def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flags):
+    dy, h = avals_in[:2]
+    w, *_ = _split(avals_in[2:], flags["weight"])
+    grads = flags["weight_grad"] + flags["bias_grad"]
+    widest = max([a.dtype.itemsize for a in avals_in[:-2]] + [4] * bool(grads))
+    tiling = row_tiling(h, "norm_bwd", widest)
+    if tiling is None:
+        return None
+    variant = (
+        ((("weight", w.dtype.name),) if w is not None else ())
+        + ((("dy", dy.dtype.name),) if dy.dtype != h.dtype else ())
+        + tuple((k, True) for k in ("dh", "weight_grad", "bias_grad") if flags[k])
+    )
+    m, n = rows(h), h.shape[-1]
+    op = "rms_norm_bwd" if rms else "layer_norm_bwd"
+    kernel = get_kernel(op, h.dtype.name, tiling, target.arch, variant)
+    ctas = min(-(-m // tiling.rows_per_cta), resident_ctas(kernel, tiling, target.sms))
+    partials = [jax.ShapeDtypeStruct((ctas, n), jnp.float32)] * grads
+    scalars = (m,) + ((float(offset),) if w is not None else ())
+    launch = _ffi.call(
+        kernel,
+        (ctas, tiling.cluster_n, 1),
+        tiling.block,
+        tiling.cluster,
+        scalars,
+        [avals_out[0], *partials],
+    )
+
+    def fn(*operands):
+        dx, *parts = launch(*operands)
+        return [dx] + [jnp.sum(p, axis=0) for p in parts]
+
+    return fn
+
+
+def _backward_batch(operands, dims, **params):
+    weight, grads = params["weight"], params["weight_grad"] or params["bias_grad"]
+    vectors = (2,) if weight else ()
+    if weight and dims[2] is not None:
+        return _vmapped(_reference_backward, operands, dims, params)
+    folded = _fold(operands, dims, vectors)
+    if not grads:
+        outs = _backward.bind(*folded, **params)
+        return outs, [0] * len(outs)
+    (dx,) = _backward.bind(*folded, **{**params, "weight_grad": False, "bias_grad": False})
+    dy, h = folded[:2]
+    rstd, mean = (folded[-1], None) if params["rms"] else folded[-2:]
+    xhat = _normalised(h, rstd, mean)
+    grads = _parameter_grads(
+        dy.astype(rstd.dtype),
+        xhat,
+        range(1, h.ndim - 1),
+        params["weight_grad"],
+        params["bias_grad"],
+    )
+    return [dx, *grads], [0] * (1 + len(grads))
+
+
+_backward = RowwisePrimitive(
+    "quack_jax_norm_backward",
+    kernel=_backward_kernel,
+    reference=_reference_backward,
+    abstract=_backward_abstract,
+    batch=_backward_batch,
+)
+
+
+# -- differentiation ----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _norm(x, residual, weight, bias, cfg):
+    return _norm_forward(x, residual, weight, bias, cfg)[0]
+
+
+def _norm_forward(x, residual, weight, bias, cfg):
+    rms, eps, offset, out_dtype, prenorm = cfg
+    operands = [a for a in (x, residual, weight, bias) if a is not None]
+    outs = _forward.bind(
+        *operands,
+        rms=rms,
+        eps=eps,
+        offset=offset,
+        out_dtype=out_dtype,
+        residual=residual is not None,
+        weight=weight is not None,
+        bias=bias is not None,
+    )
+    y, stats = outs[0], outs[1 + (residual is not None) :]
+    h = x if residual is None else outs[1]
+    return ((y, h) if prenorm else y), (h, weight, bias, residual is not None, stats)
+
+
+def _norm_backward(cfg, saved, cotangents):
+    rms, _, offset, _, prenorm = cfg
+    h, weight, bias, has_residual, stats = saved
+    dy, dh = cotangents if prenorm else (cotangents, None)
+    operands = [dy, h] + [a for a in (weight, dh) if a is not None] + list(stats)
+    outs = _backward.bind(
+        *operands,
+        rms=rms,
+        offset=offset,
+        weight=weight is not None,
+        dh=dh is not None,
+        weight_grad=weight is not None,
+        bias_grad=bias is not None,
+    )
+    dx, grads = outs[0], iter(outs[1:])
+    dweight = None if weight is None else next(grads).astype(weight.dtype)
+    dbias = None if bias is None else next(grads).astype(bias.dtype)
+    return dx, (dx if has_residual else None), dweight, dbias
+
+
+_norm.defvjp(_norm_forward, _norm_backward)
+
+
+# -- the public functions -----------------------------------------------------------
+
+
+def _real(fn: str, name: str, value, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fn}: {name} must be a Python float (a static value, not an array), "
+            f"got {type(value).__name__}"
+        )
+    value = float(value)
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ValueError(f"{fn}: {name} must be {'positive and ' * positive}finite, got {value}")
+    return value
+
+
+def _vector(fn: str, name: str, v, x):
+    if v is None:
+        return None
+    v = float_array(fn, name, v)
+    n = x.shape[-1]
+    if v.shape != (n,):
+        raise ValueError(f"{fn}: {name} must have shape ({n},) to match x, got {v.shape}")
+    if v.dtype not in (jnp.float32, x.dtype):
+        raise TypeError(
+            f"{fn}: {name} must be float32 or x's dtype ({x.dtype.name}), got {v.dtype.name}"
+        )
+    return v
+
+
+def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype):
+    x = float_array(fn, "x", x)
+    weight = _vector(fn, "weight", weight, x)
+    bias = _vector(fn, "bias", bias, x)
+    if residual is not None:
+        residual = float_array(fn, "residual", residual)
+        if residual.shape != x.shape:
+            raise ValueError(f"{fn}: residual must have x's shape {x.shape}, got {residual.shape}")
+        if residual.dtype != x.dtype:
+            raise TypeError(
+                f"{fn}: residual must have x's dtype {x.dtype.name}, got {residual.dtype.name}"
+            )
+    eps = _real(fn, "eps", eps, positive=True)
+    offset = _real(fn, "weight_offset", weight_offset)
+    if offset and weight is None:
+        raise ValueError(f"{fn}: weight_offset={offset} needs a weight")
+    if not isinstance(prenorm, bool):
+        raise TypeError(f"{fn}: prenorm must be a bool, got {type(prenorm).__name__}")
+    if out_dtype is None:
+        out = x.dtype
+    else:
+        try:
+            out = np.dtype(out_dtype)
+        except TypeError:
+            raise TypeError(f"{fn}: out_dtype must be a dtype, got {out_dtype!r}") from None
+        if out.name not in ("float32", "bfloat16", "float16", "float64"):
+            raise TypeError(
+                f"{fn}: out_dtype must be float32, bfloat16, float16 or float64, got {out.name}"
+            )
+    cfg = (rms, eps, offset, out.name, prenorm)
+    return _norm(x, residual, weight, bias, cfg)
+
+
+def rms_norm(
+    x: jax.Array,
+    weight: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+    residual: jax.Array | None = None,
+    prenorm: bool = False,
+    weight_offset: float = 0.0,
+    out_dtype=None,
+):
+    """RMSNorm over the last axis: ``h * rsqrt(mean(h**2) + eps) * (weight + weight_offset)``.
+
+    Args:
+      x: array of any rank >= 1, float32, bfloat16 or float16 (float64 runs the XLA
+        reference). Math is in float32.
+      weight: optional scale of shape (n,), float32 or x's dtype.
+      eps: added to the mean square; a positive Python float.
+      residual: optional array of x's shape and dtype; then ``h = x + residual`` (rounded
+        to x's dtype, as the unfused add would be), else ``h = x``.
+      prenorm: also return h, the residual stream of a pre-norm block.
+      weight_offset: added to the weight (1.0 for Gemma's ``(1 + w)`` scaling).
+      out_dtype: dtype of the result (default x's).
+
+    Returns:
+      y, or ``(y, h)`` with ``prenorm``. ``jax.grad`` runs one backward kernel for dx
+      (and the residual's gradient, the same array) and the weight gradient, reduced
+      over all rows without atomics, so it is the same on every run.
+    """
+    return _apply(
+        "rms_norm", True, x, weight, None, eps, residual, prenorm, weight_offset, out_dtype
+    )
+
+
+def layer_norm(
+    x: jax.Array,
+    weight: jax.Array | None = None,
+    bias: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+    residual: jax.Array | None = None,
+    prenorm: bool = False,
+    weight_offset: float = 0.0,
+    out_dtype=None,
+):
+    """LayerNorm over the last axis:
+    ``(h - mean) * rsqrt(var + eps) * (weight + weight_offset) + bias``.
+
+    The variance is the mean squared deviation from the mean (not ``E[h^2] - mean^2``).
+    Arguments as for :func:`rms_norm`, plus ``bias`` of shape (n,), float32 or x's dtype.
+    """
+    return _apply(
+        "layer_norm", False, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype
+    )
