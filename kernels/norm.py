@@ -1,8 +1,9 @@
 """RMSNorm and LayerNorm over the last axis: forward and backward kernels.
 
 Forward, one read of each input and one write of each output. The row ``h`` is x, or
-with a residual ``x + residual`` rounded to x's dtype (what an unfused add would give;
-it is also written out as the pre-norm residual stream). Then, in float32:
+with a residual ``x + residual`` rounded to x's dtype (what an unfused add gives; it is
+also written out as the pre-norm residual stream, and the backward reads it back). Then,
+in float32:
     LayerNorm: mean = sum(h) / n, rstd = rsqrt(sum((h - mean)^2) / n + eps)
     RMSNorm:   mean = 0,          rstd = rsqrt(sum(h^2) / n + eps)
     y = (h - mean) * rstd * (w + offset) + b
@@ -12,12 +13,15 @@ for the backward.
 
 Backward, with xhat = (h - mean) * rstd and g = dy * (w + offset):
     dx = rstd * (g - xhat * sum(g * xhat) / n - sum(g) / n)    (RMSNorm: no sum(g) term)
-plus the cotangent of h when the forward returned it (pre-norm blocks). The grid is
-persistent: each CTA walks row blocks bx, bx + gridDim.x, ... and keeps float32
-running sums of dy * xhat (weight gradient) and dy (bias gradient) for its columns;
-at the end its rows are combined in shared memory and it writes one row of a
-(gridDim.x, n) float32 partial, which the caller sums. No atomics: the result is the
+plus the cotangent of h when the forward returned it (pre-norm blocks). The backward
+keeps float32 running sums of dy * xhat (weight gradient) and dy (bias gradient) for
+its columns; at the end a CTA combines its rows in shared memory and writes one row of
+a (gridDim.x, n) float32 partial, which the caller sums. No atomics: the result is the
 same bit for bit on every run with the same grid.
+
+Both grids are persistent: each CTA reads the weights once, then walks row blocks
+bx, bx + gridDim.x, ..., with the next blocks on their way into shared memory (cp.async)
+while it works on the current one.
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ def _round_up(x: int, k: int) -> int:
 
 
 class NormForward(RowKernel):
+    copies = 2  # reductions alternate between two buffers
+
     def __init__(self, dtype, tiling, *, rms, residual=False, weight=None, bias=None, out=None):
-        self.copies = 1 if rms else 2  # LayerNorm: mean, then the centred sum of squares
         super().__init__(dtype, tiling)
         self.rms, self.residual = rms, residual
         self.weight, self.bias, self.out = weight, bias, out or dtype
+        self.smem_bytes += self.stage_bytes([dtype.width // 8] * (1 + residual))
 
     def compile_args(self):
         p, stat = self.pointer, lambda: self.pointer(Float32, row=False)
@@ -70,43 +76,63 @@ class NormForward(RowKernel):
         n = self.tiling.n
         inputs = [px, pres] if const_expr(self.residual) else [px]
         outputs = [py, ph] if const_expr(self.residual) else [py]
+        smem = cutlass.memory.SmemAllocator()
+        reduction = self.start_cluster(smem)
+        stages = self.allocate_stages(smem, [self.dtype] * len(inputs))
+        self.pipeline(m, inputs, stages)
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         vectors = [v for v in (pw, pb) if const_expr(v is not None)]
-        cta, reduction = self.setup(m, inputs, outputs, vectors)
-        rows = self.load(cta, (0.0,) * len(inputs))
-        h = rows[0]
-        if const_expr(self.residual):
-            h = (rows[0] + rows[1]).to(self.dtype).to(Float32)
-            self.store(cta, h, cta.destinations[1])
-        vecs = self.load_vectors(cta)
-        if const_expr(self.rms):
-            (squares,) = self.row_sums((h * h,), reduction)
-            centred = h
-        else:
-            (total,) = self.row_sums((h,), reduction)
-            mean = total * (1.0 / n)
-            self.store_stat(cta, pmean, m, mean)
-            centred = self.zero_outside(cta, h - mean)
-            (squares,) = self.row_sums((centred * centred,), reduction, copy=1, first=False)
-        rstd = cute.math.rsqrt(squares * (1.0 / n) + eps, fastmath=True)
-        self.store_stat(cta, prstd, m, rstd)
-        y = centred * rstd
-        if const_expr(self.weight is not None):
-            y = y * (vecs[0] + offset)
-        if const_expr(self.bias is not None):
-            y = y + vecs[-1]
-        self.store(cta, y, cta.destinations[0])
+        vecs = self.load_vectors(self.view(m, first, [], [], vectors))
+        scale = vecs[0] + offset if const_expr(self.weight is not None) else None
+        fills = (0.0,) * len(inputs)
+        for it in cutlass.range(self.iterations(m)):
+            stage = self.advance(m, it, inputs, stages)
+            cta = self.view(m, first + it * stride, inputs, outputs)
+            rows = self.take(cta, stages, stage, fills)
+            h = rows[0]
+            if const_expr(self.residual):
+                h = self.rounded(rows[0] + rows[1], self.dtype)
+                self.store(cta, h, cta.destinations[1])
+            if const_expr(self.rms):
+                (squares,) = self.row_sums((h * h,), reduction, it % 2, (it // 2) % 2)
+                centred = h
+            else:
+                (total,) = self.row_sums((h,), reduction, 0, it % 2)
+                mean = total * (1.0 / n)
+                self.store_stat(cta, pmean, m, mean)
+                centred = self.zero_outside(cta, h - mean)
+                (squares,) = self.row_sums((centred * centred,), reduction, 1, it % 2)
+            rstd = cute.math.rsqrt(squares * (1.0 / n) + eps, fastmath=True)
+            self.store_stat(cta, prstd, m, rstd)
+            y = centred * rstd
+            if const_expr(self.weight is not None):
+                y = y * scale
+            if const_expr(self.bias is not None):
+                y = y + vecs[-1]
+            self.store(cta, y, cta.destinations[0])
 
 
 class NormBackward(RowKernel):
-    copies = 2  # the loop reduces into two buffers in turn
+    copies = 2  # reductions alternate between two buffers
 
     def __init__(
-        self, dtype, tiling, *, rms, weight=None, dh=False, weight_grad=False, bias_grad=False
+        self,
+        dtype,
+        tiling,
+        *,
+        rms,
+        weight=None,
+        dy=None,
+        dh=False,
+        weight_grad=False,
+        bias_grad=False,
     ):
         self.words = 1 if rms else 2
         super().__init__(dtype, tiling)
-        self.rms, self.weight, self.dh = rms, weight, dh
+        self.rms, self.weight, self.dy, self.dh = rms, weight, dy or dtype, dh
         self.grads = [g for g, on in (("weight", weight_grad), ("bias", bias_grad)) if on]
+        self.row_dtypes = [self.dy, dtype] + [dtype] * dh
+        self.smem_bytes += self.stage_bytes([d.width // 8 for d in self.row_dtypes])
         t = tiling
         # one (rows, columns) float32 tile per gradient to add up the rows of a CTA
         self.partial_tile = (t.rows_per_cta, t.cols_per_cta) if t.rows_per_cta > 1 else None
@@ -116,7 +142,7 @@ class NormBackward(RowKernel):
     def compile_args(self):
         p, stat = self.pointer, lambda: self.pointer(Float32, row=False)
         return (
-            p(self.dtype),
+            p(self.dy),
             p(self.dtype),
             p(self.weight) if self.weight else None,
             p(self.dtype) if self.dh else None,
@@ -142,25 +168,18 @@ class NormBackward(RowKernel):
         t = self.tiling
         n = t.n
         smem = cutlass.memory.SmemAllocator()
-        reduction = self.allocate_reduction(smem)
+        reduction = self.start_cluster(smem)
+        inputs = [pdy, ph, pdh] if const_expr(self.dh) else [pdy, ph]
+        stages = self.allocate_stages(smem, self.row_dtypes)
+        self.pipeline(m, inputs, stages)
         tiles = []
         if const_expr(self.partial_tile is not None):
             for _ in cutlass.range_constexpr(len(self.grads)):
-                tiles.append(
-                    smem.allocate_tensor(
-                        Float32,
-                        cute.make_ordered_layout(self.partial_tile, order=(1, 0)),
-                        byte_alignment=16,
-                    )
-                )
-        self.init_cluster(reduction.mbar)
-        if const_expr(t.cluster_n > 1):
-            cute.arch.cluster_wait()
-        first_block = cute.arch.block_idx()[0]
-        stride = cute.arch.grid_dim()[0]
-        inputs = [pdy, ph, pdh] if const_expr(self.dh) else [pdy, ph]
+                layout = cute.make_ordered_layout(self.partial_tile, order=(1, 0))
+                tiles.append(smem.allocate_tensor(Float32, layout, byte_alignment=16))
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         start = self.view(
-            m, first_block, inputs, [pdx], [pw] if const_expr(self.weight is not None) else []
+            m, first, inputs, [pdx], [pw] if const_expr(self.weight is not None) else []
         )
         w = None
         if const_expr(self.weight is not None):
@@ -171,10 +190,11 @@ class NormBackward(RowKernel):
             acc = cute.make_rmem_tensor_like(start.sources[0], Float32)
             acc.fill(0.0)
             sums.append(acc)
-        iters = (cute.ceil_div(m, t.rows_per_cta) - first_block + stride - 1) // stride
-        for it in cutlass.range(iters):
-            cta = self.view(m, first_block + it * stride, inputs, [pdx])
-            rows = self.load(cta, (0.0,) * len(inputs))
+        fills = (0.0,) * len(inputs)
+        for it in cutlass.range(self.iterations(m)):
+            stage = self.advance(m, it, inputs, stages)
+            cta = self.view(m, first + it * stride, inputs, [pdx])
+            rows = self.take(cta, stages, stage, fills)
             dy, h = rows[0], rows[1]
             rstd = self.load_stat(cta, prstd, m)
             centred = h
@@ -183,7 +203,7 @@ class NormBackward(RowKernel):
             xhat = centred * rstd
             g = dy * w if const_expr(self.weight is not None) else dy
             terms = (g * xhat,) if const_expr(self.rms) else (g * xhat, g)
-            totals = self.row_sums(terms, reduction, it % 2, (it // 2) % 2, first=False)
+            totals = self.row_sums(terms, reduction, it % 2, (it // 2) % 2)
             dx = g - xhat * (totals[0] * (1.0 / n))
             if const_expr(not self.rms):
                 dx = dx - totals[1] * (1.0 / n)
@@ -214,4 +234,4 @@ class NormBackward(RowKernel):
                     acc.store(acc.load() + thr.partition_S(below).load())
             col0 = cute.arch.block_idx()[1] * t.cols_per_cta
             out = thr.partition_D(self.cta_tile(ptr, cute.arch.block_idx()[0], col0))
-            cute.copy(self.atom(Float32), acc, out, pred=start.tXpX)
+            self.copy_any(acc, out, start.tXpX)

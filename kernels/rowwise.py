@@ -18,9 +18,10 @@ import operator
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
 from cutlass.cute.runtime import nullptr
 
-from quack_jax._tiling import RowTiling
+from quack_jax._tiling import STAGE_BYTES, RowTiling
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -142,10 +143,107 @@ class RowKernel:
         return [f.load().to(Float32) for f in fragments]
 
     def load_vectors(self, cta: CtaView) -> list[cute.TensorSSA]:
-        """This thread's columns of every broadcast vector as float32, zero outside the row."""
+        """This thread's columns of every broadcast vector as float32, zero outside the row.
+        Vectors are read once per CTA, so their elements may be wider than a row's: a
+        ``vec``-element access of them that exceeds 16 bytes is split (see ``copy_any``)."""
         fragments = self._fragments(cta.vectors, (0.0,) * len(cta.vectors))
-        self._copy_in(cta, cta.vectors, fragments, True)
+        for src, dst in zip(cta.vectors, fragments, strict=True):
+            self.copy_any(src, dst, cta.tXpX)
         return [f.load().to(Float32) for f in fragments]
+
+    @cute.jit
+    def copy_any(self, src: cute.Tensor, dst: cute.Tensor, tXpX):
+        """Copy one thread's partition, by ``vec``-element accesses where they fit 16 bytes
+        and element by element otherwise; vectors whose predicate is false are skipped."""
+        if const_expr(self.tiling.vec * src.element_type.width <= 128):
+            cute.copy(self.atom(src.element_type), src, dst, pred=tXpX)
+        else:
+            for v in cutlass.range_constexpr(cute.size(src, mode=[0, 1])):
+                for j in cutlass.range_constexpr(cute.size(src, mode=[1])):
+                    for k in cutlass.range_constexpr(cute.size(src, mode=[2])):
+                        inside = True if const_expr(tXpX is None) else tXpX[v, j, k]
+                        if inside:
+                            for i in cutlass.range_constexpr(self.tiling.vec):
+                                dst[(i, v), j, k] = src[(i, v), j, k]
+
+    # -- persistent grids ---------------------------------------------------------------
+
+    def allocate_stages(self, smem, dtypes) -> list:
+        """Per input dtype, ``stages`` shared (R, C) tiles that row blocks are loaded into."""
+        t = self.tiling
+        layout = cute.make_ordered_layout(
+            (self.stages, t.rows_per_cta, t.cols_per_cta), order=(2, 1, 0)
+        )
+        return [smem.allocate_tensor(d, layout, byte_alignment=16) for d in dtypes]
+
+    def stage_bytes(self, itemsizes) -> int:
+        """Shared memory for the staged row blocks; sets ``stages``, the blocks a CTA keeps
+        (2 to 4: one in use, the rest in flight), within 3 * STAGE_BYTES."""
+        t = self.tiling
+        block = t.rows_per_cta * t.cols_per_cta
+        self.stages = min(max(3 * STAGE_BYTES // max(block * sum(itemsizes), 1), 2), 4)
+        return sum(-(-self.stages * block * e // 16) * 16 for e in itemsizes)
+
+    @cute.jit
+    def issue(self, m: Int32, block, inputs, stages: list, stage):
+        """Start copying row block ``block`` of each input into shared tile ``stage``
+        (cp.async, or a plain copy for vectors under 4 bytes), as one commit group."""
+        cta = self.view(m, block, inputs, [])
+        thr = self.thread_copy()
+        if cta.in_rows:
+            for i in cutlass.range_constexpr(len(inputs)):
+                src = cta.sources[i]
+                bits = self.tiling.vec * src.element_type.width
+                op = cpasync.CopyG2SOp() if const_expr(bits >= 32) else cute.nvgpu.CopyUniversalOp()
+                atom = cute.make_copy_atom(op, src.element_type, num_bits_per_copy=bits)
+                dst = thr.partition_D(stages[i][stage, None, None])
+                cute.copy(atom, src, dst, pred=cta.tXpX)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def take(self, cta: CtaView, stages: list, stage, fills) -> list:
+        """This thread's values of shared tile ``stage`` of each input, as float32; ``fill``
+        past the end of the row and for rows past the last."""
+        thr = self.thread_copy()
+        values = []
+        for i in cutlass.range_constexpr(len(stages)):
+            src = thr.partition_S(stages[i][stage, None, None])
+            frag = cute.make_rmem_tensor_like(src)
+            frag.fill(fills[i])
+            if cta.in_rows:
+                cute.copy(self.atom(src.element_type), src, frag, pred=cta.tXpX)
+            values.append(frag.load().to(Float32))
+        return values
+
+    @cute.jit
+    def pipeline(self, m: Int32, inputs, stages: list):
+        """Start the loads of this CTA's first ``stages - 1`` row blocks."""
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        for s in cutlass.range_constexpr(self.stages - 1):
+            self.issue(m, first + s * stride, inputs, stages, s)
+
+    def advance(self, m: Int32, it, inputs, stages: list):
+        """In iteration ``it``: start loading the block ``stages - 1`` ahead, wait for
+        block ``it``; returns the shared tile that holds it."""
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        ahead = it + self.stages - 1
+        self.issue(m, first + ahead * stride, inputs, stages, ahead % self.stages)
+        cute.arch.cp_async_wait_group(self.stages - 1)
+        return it % self.stages
+
+    def start_cluster(self, smem) -> Reduction:
+        """Allocate the reduction storage, arm the cluster barriers and wait until every
+        peer has armed its own (a persistent kernel reduces in a loop, so waits up front)."""
+        reduction = self.allocate_reduction(smem)
+        self.init_cluster(reduction.mbar)
+        if const_expr(self.tiling.cluster_n > 1):
+            cute.arch.cluster_wait()
+        return reduction
+
+    def iterations(self, m: Int32):
+        """Row blocks this CTA visits in a persistent grid: blockIdx.x, + gridDim.x, ..."""
+        first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        return (cute.ceil_div(m, self.tiling.rows_per_cta) - first + stride - 1) // stride
 
     def _fragments(self, partitions, fills):
         fragments = []
@@ -182,6 +280,25 @@ class RowKernel:
         """Write this thread's row of a float32 (m,) tensor, once per row."""
         if cta.in_rows and cta.first_col:
             cute.make_tensor(ptr, cute.make_layout(m))[cta.row] = value
+
+    @cute.jit
+    def rounded(self, values: cute.TensorSSA, dtype) -> cute.TensorSSA:
+        """``values`` rounded to ``dtype`` (to nearest even) and back to float32. Done in
+        PTX: the compiler folds a float32 -> bf16 -> float32 round trip to the identity."""
+        out = values
+        if const_expr(dtype is not Float32):
+            name = {cutlass.BFloat16: "bf16", cutlass.Float16: "f16"}[dtype]
+            frag = cute.make_rmem_tensor(values.shape, Float32)
+            frag.store(values)
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                frag[i] = cute.arch.inline_ptx(
+                    f"{{\n\t.reg .b16 r;\n\tcvt.rn.{name}.f32 r, {{$r0}};\n\t"
+                    f"cvt.f32.{name} {{$w0}}, r;\n\t}}",
+                    write_only_types=[Float32],
+                    read_only_args=[frag[i]],
+                )
+            out = frag.load()
+        return out
 
     @cute.jit
     def zero_outside(self, cta: CtaView, values: cute.TensorSSA) -> cute.TensorSSA:
@@ -312,10 +429,11 @@ class RowKernel:
         reduction: Reduction,
         copy=0,
         phase=0,
-        first: cutlass.Constexpr[bool] = True,
+        first: cutlass.Constexpr[bool] = False,
     ) -> tuple:
         """The sums over the whole row of each of ``values`` (this thread's elements), in
-        one round trip through buffer ``copy`` (see ``publish``)."""
+        one round trip through buffer ``copy`` (see ``publish``); ``first``: the cluster's
+        first reduction, if ``start_cluster`` did not already wait for the peers."""
         sums = [
             self.row_group_reduce(
                 v.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add

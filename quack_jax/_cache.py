@@ -117,9 +117,12 @@ def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple
 
 
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
-    from .build import OPS
+    from .build import LOWERED_OPS, OPS
 
-    public = next(name for name, kernels in OPS.items() if op in dict(kernels))
+    public = next(
+        (name for name, kernels in OPS.items() if op in dict(kernels)),
+        next((name for name in LOWERED_OPS if op.startswith(name)), op),
+    )
     return (
         f"python -m quack_jax.build --arch {arch} --ops {public} --dtypes {dtype} "
         f"--sizes {tiling.n}"

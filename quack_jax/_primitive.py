@@ -29,7 +29,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _ffi
 from ._cache import get_kernel
-from ._tiling import RowTiling, choose_tiling
+from ._tiling import choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
 KERNEL_ARCHS = {"9.0": "sm_90a"}
@@ -74,12 +74,12 @@ def rows(aval) -> int:
     return math.prod(aval.shape[:-1])
 
 
-def row_tiling(aval, family: str, vec_itemsize: int | None = None) -> RowTiling | None:
-    """The tiling of ``family`` for rows like ``aval``'s, or None where the kernels do not
-    apply (dtype, empty or too many rows, rows too long to hold on chip)."""
+def row_tiling(aval, family: str, vec_itemsize=None, live=None, staged_bytes=None):
+    """The tiling of ``family`` for rows like ``aval``'s (see ``choose_tiling``), or None
+    where the kernels do not apply (dtype, empty or too many rows, rows too long)."""
     n, m = aval.shape[-1], rows(aval)
     if aval.dtype.name in KERNEL_DTYPES and n > 0 and 0 < m <= MAX_ROWS:
-        return choose_tiling(family, n, aval.dtype.itemsize, vec_itemsize)
+        return choose_tiling(family, n, aval.dtype.itemsize, vec_itemsize, live, staged_bytes)
     return None
 
 

@@ -171,10 +171,29 @@ _TABLES["norm_bwd", 2] = [
     (64 * _K, (256, 256, 8)),
 ]
 _TABLES["norm_bwd", 4] = _TABLES["norm_bwd", 2]
-# Register budget: the values a thread keeps live, beyond which the kernel would spill.
-# Norm kernels keep several values per element (x, weight, bias; in the backward also
-# the cotangent and the weight-gradient accumulators).
-_MAX_ELEMS_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 64, "norm_fwd": 64, "norm_bwd": 32}
+# Register budget: float32 values a thread keeps live. A kernel keeps ``live`` values per
+# element of its row slice (softmax forward: x; its derivative: x and the tangent; norms
+# also weights, bias, residual, cotangents and weight-gradient accumulators), so it holds
+# budget // live elements per thread.
+_MAX_VALUES_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 128, "norm_fwd": 128, "norm_bwd": 128}
+_LIVE = {"softmax_fwd": 1, "softmax_bwd": 2}
+
+
+# Kernels that stage row blocks in shared memory (the persistent norm kernels) keep a
+# CTA's block of all staged rows within twice this many bytes, and 3 * STAGE_BYTES of
+# blocks in flight per CTA.
+STAGE_BYTES = 32 * 1024
+
+
+def elems_budget(family: str, live: int | None = None) -> int:
+    return max(_MAX_VALUES_PER_THREAD[family] // (live or _LIVE.get(family, 1)), 8)
+
+
+def _fits(tiling: RowTiling, budget: int, staged_bytes: int | None) -> bool:
+    """Within the register budget, and for staged kernels (``staged_bytes`` per column of
+    a row block, over all staged inputs) within 2 * STAGE_BYTES of shared memory per block."""
+    block = tiling.rows_per_cta * tiling.cols_per_cta * (staged_bytes or 0)
+    return tiling.elems_per_thread <= budget and block <= 2 * STAGE_BYTES
 
 
 _overrides: dict[tuple[str, int, int], RowTiling] = {}
@@ -196,45 +215,60 @@ def override_tiling(family: str, n: int, itemsize: int, tiling: RowTiling):
 
 
 def candidate_tilings(
-    family: str, n: int, itemsize: int, vec_itemsize: int | None = None
+    family: str,
+    n: int,
+    itemsize: int,
+    vec_itemsize: int | None = None,
+    live: int | None = None,
+    staged_bytes: int | None = None,
 ) -> list[RowTiling]:
     """The tilings the benchmark's tuner tries: for every mix of threads per row and CTA
     size, the two smallest clusters that fit the register budget, keeping each thread at
-    least 32 elements (or 8 vectors) so that enough loads are in flight."""
-    budget = _MAX_ELEMS_PER_THREAD[family]
+    least 32 elements (or 8 vectors, or the budget) so that enough loads are in flight."""
+    budget = elems_budget(family, live)
     vec = max_vec(n, max(itemsize, vec_itemsize or 0))
     out = []
-    for tpr, threads in itertools.product((8, 16, 32, 64, 128, 256, 512), (128, 256, 512)):
+    for tpr, threads in itertools.product(
+        (8, 16, 32, 64, 128, 256, 512, 1024), (128, 256, 512, 1024)
+    ):
         fitting = []
         for cluster in (1, 2, 4, 8, 16):
             try:
                 tiling = RowTiling(n, vec, tpr, threads, cluster)
             except ValueError:
                 continue
-            if min(8 * vec, 32, budget) <= tiling.elems_per_thread <= budget:
+            if min(8 * vec, 32, budget // 2) <= tiling.elems_per_thread and _fits(
+                tiling, budget, staged_bytes
+            ):
                 fitting.append(tiling)
         out += fitting[:2]
     return out
 
 
 def choose_tiling(
-    family: str, n: int, itemsize: int, vec_itemsize: int | None = None
+    family: str,
+    n: int,
+    itemsize: int,
+    vec_itemsize: int | None = None,
+    live: int | None = None,
+    staged_bytes: int | None = None,
 ) -> RowTiling | None:
     """The tiling for a kernel family, or None when ``n`` is beyond what the kernels hold on chip.
 
     ``itemsize`` is the row dtype's and picks the table; ``vec_itemsize``, the widest
-    element the kernel reads (weights), bounds the vector width. Starts from the tables,
-    then spreads a row over more threads, and then over more CTAs, until each thread's
-    share fits its register budget.
+    element the kernel reads (weights), bounds the vector width; ``live`` values per
+    element set the register budget (see ``elems_budget``), ``staged_bytes`` the shared
+    memory of staged kernels (see ``_fits``). Starts from the tables, then spreads a row
+    over more threads, and then over more CTAs, until the tiling fits.
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
     table = _TABLES[family, min(itemsize, 4)]
     tpr, threads, cluster = next((v for limit, v in table if n <= limit), table[-1][1])
-    budget = _MAX_ELEMS_PER_THREAD[family]
+    budget = elems_budget(family, live)
     while True:
         tiling = make_tiling(n, max(itemsize, vec_itemsize or 0), tpr, threads, cluster)
-        if tiling.elems_per_thread <= budget:
+        if _fits(tiling, budget, staged_bytes):
             return tiling
         if tpr < 256:
             tpr *= 2

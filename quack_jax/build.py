@@ -4,14 +4,20 @@ Needs nvidia-cutlass-dsl but no GPU. Example, every softmax kernel for two row l
 
     python -m quack_jax.build --arch sm_90a --cache .cubins --ops softmax log_softmax \\
         --dtypes float32 bfloat16 float16 --sizes 4096 32000
+
+Norm kernels come in variants (weight and bias dtypes, residual, output dtype); the
+build covers the usual ones (no weight, weights in x's dtype or float32; with and without
+a residual, pre-norm or not; output in x's dtype) by lowering each op's forward and
+backward for CUDA, which compiles exactly the kernels a GPU run of them would launch.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 from ._tiling import ITEMSIZE, RowTiling, candidate_tilings, choose_tiling
 
@@ -24,6 +30,8 @@ OPS = {
         ("log_softmax_jvp", "softmax_bwd"),
     ),
 }
+# public ops whose kernels are built by lowering them (see norm_functions)
+LOWERED_OPS = ("rms_norm", "layer_norm")
 ARCHS = ("sm_90a",)
 DTYPES = tuple(ITEMSIZE)
 
@@ -62,6 +70,68 @@ def build(specs: list[tuple[str, str, RowTiling]], arch: str, verbose: bool = Tr
         print(f"{len(specs)} kernels ready in {time.perf_counter() - start:.1f} s")
 
 
+@contextlib.contextmanager
+def _lowering_arch(arch: str):
+    previous = os.environ.get("QUACK_JAX_CUDA_ARCH")
+    os.environ["QUACK_JAX_CUDA_ARCH"] = arch
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["QUACK_JAX_CUDA_ARCH"]
+        else:
+            os.environ["QUACK_JAX_CUDA_ARCH"] = previous
+
+
+def lower_for_cuda(fn: Callable, args, arch: str = "sm_90a") -> str:
+    """Lower ``fn`` at ``args`` (shape-dtype structs) for CUDA on any host, which loads or
+    compiles every kernel it launches; returns the StableHLO text."""
+    import jax
+
+    with _lowering_arch(arch):
+        # a fresh function each time: JAX's caches must not return an earlier lowering
+        # (one made under another tiling override, say)
+        fresh = jax.jit(lambda *a: fn(*a))
+        return fresh.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def norm_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
+    """(fn, args): forward and backward (``jax.vjp``) of ``op`` for the usual operand mixes."""
+    import jax
+
+    from . import norm
+
+    apply = getattr(norm, op)
+    row = jax.ShapeDtypeStruct((8, n), dtype)
+    for param_dtype in (None, dtype, "float32"):
+        vec = jax.ShapeDtypeStruct((n,), param_dtype) if param_dtype else None
+        params = (vec,) * (1 if op == "rms_norm" else 2) if vec else ()
+        for residual, prenorm in ((False, False), (True, False), (True, True)):
+
+            def fn(x, params, res, dy, prenorm=prenorm):
+                def f(x, params, res):
+                    return apply(x, *params, residual=res, prenorm=prenorm)
+
+                out, vjp = jax.vjp(f, x, params, res)
+                return out, vjp((dy, x) if prenorm else dy)
+
+            yield fn, (row, params, row if residual else None, row)
+
+
+def build_lowered(ops, dtypes, sizes, arch: str, verbose: bool = True) -> None:
+    """Build the kernels of ``LOWERED_OPS`` by lowering their functions for CUDA."""
+    start = time.perf_counter()
+    for op in ops:
+        for dtype in dtypes:
+            for n in sizes:
+                for fn, args in norm_functions(op, dtype, n):
+                    lower_for_cuda(fn, args, arch)
+                if verbose:
+                    print(f"{op:10s} {dtype:9s} n={n:<7d} ready", flush=True)
+    if verbose:
+        print(f"{' '.join(ops)} kernels ready in {time.perf_counter() - start:.1f} s")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m quack_jax.build",
@@ -70,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--arch", default="sm_90a", choices=ARCHS)
     parser.add_argument("--cache", help="cache folder (default: $QUACK_JAX_CACHE or ~/.cache)")
-    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    choices = [*OPS, *LOWERED_OPS]
+    parser.add_argument("--ops", nargs="+", default=choices, choices=choices)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--sizes", nargs="+", type=int, required=True, help="row lengths n")
     parser.add_argument(
@@ -81,7 +152,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.cache:
         os.environ["QUACK_JAX_CACHE"] = args.cache
-    build(configs(args.ops, args.dtypes, args.sizes, args.candidates), args.arch)
+    softmax_ops = [op for op in args.ops if op in OPS]
+    build(configs(softmax_ops, args.dtypes, args.sizes, args.candidates), args.arch)
+    lowered = [op for op in args.ops if op in LOWERED_OPS]
+    if lowered:
+        build_lowered(lowered, args.dtypes, args.sizes, args.arch)
 
 
 if __name__ == "__main__":

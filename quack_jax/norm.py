@@ -21,7 +21,7 @@ from jax import lax
 from . import _ffi
 from ._cache import get_kernel
 from ._checks import float_array
-from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling, rows
+from ._primitive import RowwisePrimitive, Target, row_tiling, rows
 
 # The GPU's register file and limits per SM, for the persistent grid (sm_90).
 _SM_REGISTERS, _SM_THREADS, _SM_CTAS, _SM_SMEM = 65536, 2048, 32, 228 * 1024
@@ -72,7 +72,7 @@ def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, 
     ct = _compute_dtype(x.dtype)
     h = x if res is None else (x.astype(ct) + res.astype(ct)).astype(x.dtype)
     h32 = h.astype(ct)
-    mean = jnp.zeros(h.shape[:-1], ct) if rms else jnp.mean(h32, axis=-1)
+    mean = jnp.zeros(h32.shape[:-1], ct) if rms else jnp.mean(h32, axis=-1)
     centred = h32 - mean[..., None]
     rstd = lax.rsqrt(jnp.mean(centred * centred, axis=-1) + jnp.asarray(eps, ct))
     y = centred * rstd[..., None]
@@ -80,14 +80,27 @@ def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, 
         y = y * (w.astype(ct) + jnp.asarray(offset, ct))
     if b is not None:
         y = y + b.astype(ct)
-    return [y.astype(out_dtype)] + ([h] if residual else []) + [rstd] + ([] if rms else [mean])
+    return [y.astype(out_dtype), *([h] if residual else []), rstd] + ([] if rms else [mean])
+
+
+def forward_live(residual, weight, bias):
+    """float32 values the forward keeps per element: x (and the residual), weight, bias."""
+    return 1 + residual + weight + bias
+
+
+def _persistent(target: Target, op: str, aval, tiling, variant):
+    """The kernel, and its persistent grid: one wave of CTAs, at most one per row block."""
+    kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
+    ctas = min(-(-rows(aval) // tiling.rows_per_cta), resident_ctas(kernel, tiling, target.sms))
+    return kernel, (ctas, tiling.cluster_n, 1)
 
 
 def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, out_dtype, **flags):
     x = avals_in[0]
     _, w, b = _split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
-    widest = max(a.dtype.itemsize for a in [*avals_in, avals_out[0]])
-    tiling = row_tiling(x, "norm_fwd", widest)
+    widest = max(x.dtype.itemsize, avals_out[0].dtype.itemsize)
+    staged = x.dtype.itemsize * (1 + flags["residual"])
+    tiling = row_tiling(x, "norm_fwd", widest, forward_live(**flags), staged)
     if tiling is None:
         return None
     variant = (
@@ -97,8 +110,9 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, ou
         + ((("out", out_dtype),) if out_dtype != x.dtype.name else ())
     )
     op = "rms_norm_fwd" if rms else "layer_norm_fwd"
-    scalars = (float(eps),) + ((float(offset),) if w is not None else ())
-    return kernel_call(target, op, x, tiling, avals_out, scalars, variant)
+    kernel, grid = _persistent(target, op, x, tiling, variant)
+    scalars = (rows(x), float(eps)) + ((float(offset),) if w is not None else ())
+    return _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, avals_out)
 
 
 def _forward_batch(operands, dims, **params):
@@ -169,12 +183,19 @@ def resident_ctas(kernel, tiling, sms: int) -> int:
     return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
 
 
+def backward_live(weight, dh, weight_grad, bias_grad):
+    """float32 values the backward keeps per element: dy, h, the cotangent of h, the
+    weight, and the gradient accumulators."""
+    return 2 + dh + weight + weight_grad + bias_grad
+
+
 def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flags):
     dy, h = avals_in[:2]
     w, *_ = _split(avals_in[2:], flags["weight"])
     grads = flags["weight_grad"] + flags["bias_grad"]
-    widest = max([a.dtype.itemsize for a in avals_in[:-2]] + [4] * bool(grads))
-    tiling = row_tiling(h, "norm_bwd", widest)
+    widest = max(dy.dtype.itemsize, h.dtype.itemsize)
+    staged = dy.dtype.itemsize + h.dtype.itemsize * (1 + flags["dh"])
+    tiling = row_tiling(h, "norm_bwd", widest, backward_live(**flags), staged)
     if tiling is None:
         return None
     variant = (
@@ -182,20 +203,12 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         + ((("dy", dy.dtype.name),) if dy.dtype != h.dtype else ())
         + tuple((k, True) for k in ("dh", "weight_grad", "bias_grad") if flags[k])
     )
-    m, n = rows(h), h.shape[-1]
     op = "rms_norm_bwd" if rms else "layer_norm_bwd"
-    kernel = get_kernel(op, h.dtype.name, tiling, target.arch, variant)
-    ctas = min(-(-m // tiling.rows_per_cta), resident_ctas(kernel, tiling, target.sms))
-    partials = [jax.ShapeDtypeStruct((ctas, n), jnp.float32)] * grads
-    scalars = (m,) + ((float(offset),) if w is not None else ())
-    launch = _ffi.call(
-        kernel,
-        (ctas, tiling.cluster_n, 1),
-        tiling.block,
-        tiling.cluster,
-        scalars,
-        [avals_out[0], *partials],
-    )
+    kernel, grid = _persistent(target, op, h, tiling, variant)
+    partials = [jax.ShapeDtypeStruct((grid[0], h.shape[-1]), jnp.float32)] * grads
+    scalars = (rows(h),) + ((float(offset),) if w is not None else ())
+    results = [avals_out[0], *partials]
+    launch = _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, results)
 
     def fn(*operands):
         dx, *parts = launch(*operands)
@@ -344,7 +357,25 @@ def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_
                 f"{fn}: out_dtype must be float32, bfloat16, float16 or float64, got {out.name}"
             )
     cfg = (rms, eps, offset, out.name, prenorm)
+    weight, bias = (_varying_like(x, v) for v in (weight, bias))
     return _norm(x, residual, weight, bias, cfg)
+
+
+def _varying_axes(a) -> frozenset:
+    """The manual mesh axes (inside ``shard_map``) that ``a`` varies over."""
+    aval = jax.typeof(a)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+def _varying_like(x, v):
+    """``v`` marked as varying over the manual mesh axes that ``x`` varies over (inside
+    ``shard_map``), so that its gradient, computed per shard, is summed over them."""
+    if v is None:
+        return v
+    axes = tuple(sorted(_varying_axes(x) - _varying_axes(v)))
+    return jax.lax.pcast(v, axes, to="varying") if axes else v
 
 
 def rms_norm(

@@ -1,0 +1,23 @@
+"""Flax modules backed by quack_jax: drop-in ``RMSNorm`` and ``LayerNorm`` for linen and nnx.
+
+Swap the import and keep the rest of the model, its parameters and its checkpoints::
+
+    from quack_jax.flax import linen as qnn  # instead of flax.linen's norms
+    norm = qnn.RMSNorm(epsilon=1e-6)
+
+    from quack_jax.flax import nnx as qnnx  # instead of flax.nnx's norms
+    norm = qnnx.LayerNorm(num_features=1024, rngs=nnx.Rngs(0))
+
+Each class subclasses Flax's own and takes the same arguments, creates the same parameters
+and follows the same dtype rules; only ``__call__`` differs. It runs
+:func:`quack_jax.rms_norm` / :func:`quack_jax.layer_norm` when normalising a floating input
+over its last axis (``reduction_axes`` and ``feature_axes`` the last axis, no ``axis_name``,
+``axis_index_groups`` or ``mask``), and Flax's own code for everything else. The variance
+is always the centred one, so ``use_fast_variance`` changes nothing but rounding.
+
+Flax is an optional dependency: ``import quack_jax`` never imports it, this package does.
+"""
+
+from . import linen, nnx
+
+__all__ = ["linen", "nnx"]
