@@ -7,3 +7,8 @@ SPECIAL_SIZES = (7, 1024, 65536)
 GPU_DTYPES = ("float32", "bfloat16", "float16")
 # Largest test tensor, in elements: bounds the float64 reference's memory.
 MAX_ELEMENTS = 2**28
+# RMSNorm / LayerNorm
+NORM_ROWS = (1, 3, 1000, 16384)
+NORM_SIZES = (1, 7, 128, 1000, 4096, 5120, 8192, 16384, 65536)
+# Sizes at which every operand mix is tested (elsewhere one mix per shape, in turn).
+NORM_VARIANT_SIZES = (7, 1000, 4096, 65536)

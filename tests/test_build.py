@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import quack_jax
-from quack_jax import _cache, _ffi
+from quack_jax import _cache, _ffi, build
 from quack_jax._tiling import RowTiling, choose_tiling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -180,3 +180,15 @@ def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):
     x = jnp.zeros((4, 1024), jnp.float32)
     text = jax.jit(quack_jax.softmax).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert _ffi.TARGET not in text
+
+
+def test_every_norm_variant_compiles(cache):
+    """The norm kernels of every usual operand mix (weights none, in x's dtype or float32;
+    residual, pre-norm), each dtype, at sizes that take one warp, a CTA and a cluster."""
+    build.build_lowered(build.LOWERED_OPS, build.DTYPES, [7, 4096, 65536], "sm_90a", verbose=False)
+    entries = sorted(cache.glob("*norm*.json"))
+    ops = {path.name.split("-")[0] for path in entries}
+    assert ops == {"rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd"}
+    assert len(entries) > 150
+    for path in entries:
+        assert cubin_arch(base64.b64decode(json.loads(path.read_text())["cubin"])) == 90

@@ -9,12 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import assert_close, key_for, run_kernels
 from shapes import GPU_DTYPES, GPU_ROWS, GPU_SIZES, MAX_ELEMENTS, SPECIAL_SIZES
 
 import quack_jax
@@ -22,46 +22,7 @@ from quack_jax import _ffi
 from quack_jax._cache import get_kernel
 from quack_jax._tiling import choose_tiling
 
-pytestmark = pytest.mark.gpu
-
-SEED = int.from_bytes(os.urandom(4), "little")
-# Allowed error, relative to the magnitude of the terms that make each element.
-TOL = {"float32": 2e-5, "bfloat16": 1e-2, "float16": 2e-3}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _poison_outputs():
-    os.environ["QUACK_JAX_POISON_OUTPUTS"] = "1"
-    yield
-    del os.environ["QUACK_JAX_POISON_OUTPUTS"]
-
-
-def key_for(*parts):
-    return jax.random.key(SEED ^ zlib.crc32(repr(parts).encode()))
-
-
-def assert_close(out, ref, mag, dtype, what, **inputs):
-    """NaN where the reference is NaN, equal where it is infinite, and elsewhere within
-    TOL of ``mag``, the size of the terms that make the element (plus the dtype's
-    smallest normal, below which it loses relative precision)."""
-    with jax.enable_x64(True):
-        o, r = jnp.asarray(out).astype(jnp.float64), jnp.asarray(ref, jnp.float64)
-        finite = jnp.isfinite(r)
-        bound = TOL[dtype] * mag + float(jnp.finfo(dtype).smallest_normal)
-        close = jnp.abs(o - r) <= bound
-        ok = (jnp.isnan(o) & jnp.isnan(r)) | (o == r) | (finite & jnp.isfinite(o) & close)
-        bad = int(jnp.sum(~ok))
-        if bad:
-            idx = np.unravel_index(int(jnp.argmin(ok.ravel())), o.shape)
-            row = (*idx[:-1], slice(max(idx[-1] - 3, 0), idx[-1] + 4))
-            detail = "".join(
-                f"\n  {name}[{idx[-1] - 3}:]: {np.asarray(jnp.asarray(a)[row], np.float64)}"
-                for name, a in {"out": o, "ref": r, "bound": bound, **inputs}.items()
-            )
-            pytest.fail(
-                f"{what}: {bad} of {o.size} elements wrong (seed {SEED}); first at {idx}: "
-                f"got {float(o[idx])}, want {float(r[idx])}{detail}"
-            )
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
 
 def reference_forward(x, log=False):
@@ -92,13 +53,6 @@ def forward_backward(fn):
         return y, vjp(dy)[0]
 
     return f
-
-
-def run_kernels(f, *args, launches):
-    """Compile ``f``, check it launches quack_jax kernels ``launches`` times, run it."""
-    lowered = jax.jit(f).lower(*args)
-    assert lowered.as_text().count(f"custom_call @{_ffi.TARGET}") == launches
-    return lowered.compile()(*args)
 
 
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
