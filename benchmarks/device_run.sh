@@ -3,6 +3,8 @@
 #   QUACK_JAX_CACHE=.cubins bash benchmarks/device_run.sh [tests] [bench] [tune]
 # The cubin cache comes from `python benchmarks/prebuild.py --cache .cubins [--tune]`
 # on a CPU machine; the GPU machine has no CuTe-DSL.
+# bench runs every op (softmax, rms_norm, layer_norm). Tuning all three takes longer than
+# one device call: pick them with TUNE_OPS="rms_norm" (default: all).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 QUACK_JAX_CACHE=${QUACK_JAX_CACHE:-.cubins}
 OUT=${OUT:-/tmp/quack_jax_out}
@@ -21,10 +23,11 @@ for step in "$@"; do
                2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
     bench) python3 benchmarks/run.py --out "$OUT/bench" || status=1 ;;
     tune) timeout "${TUNE_SECONDS:-400}" python3 benchmarks/run.py --tune --reps 5 \
+              --ops ${TUNE_OPS:-softmax rms_norm layer_norm} \
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
     nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/run.py \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
-    ncu) timeout "${NCU_SECONDS:-120}" ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
+    ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
              --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
              python3 benchmarks/profile_kernels.py >/dev/null 2>&1 || status=1
          python3 benchmarks/profile_kernels.py --report "$OUT/ncu.csv" | tee "$OUT/ncu.txt" ;;

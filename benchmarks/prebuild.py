@@ -3,21 +3,41 @@
     python benchmarks/prebuild.py --cache .cubins          # tests and benchmarks
     python benchmarks/prebuild.py --cache .cubins --tune   # and the tuner's candidates
 
+Softmax kernels are listed as configs (``specs``) and built directly. The norm kernels are
+built by lowering the benchmark's quack_jax functions (and the cases that
+``tests/test_gpu_norm.py`` lists in ``prebuild_cases()``) for an sm_90a CUDA device on
+this machine: lowering takes each kernel from the cache and compiles the missing ones, so
+exactly the kernels (variants, tilings) those functions launch get built.
+
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """
 
+from __future__ import annotations
+
 import argparse
+import collections
+import contextlib
 import os
 import pathlib
 import sys
+import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
+import jax  # noqa: E402
 import run  # noqa: E402
 import shapes  # noqa: E402
 
+from quack_jax import _cache, _ffi  # noqa: E402
+from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
 from quack_jax.build import build, configs  # noqa: E402
+from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
+
+ARCH = "sm_90a"
+NORMS = ("rms_norm", "layer_norm")
 
 
 def specs(tune: bool = False):
@@ -25,6 +45,114 @@ def specs(tune: bool = False):
     out = configs(["softmax", "log_softmax"], shapes.GPU_DTYPES, sizes)
     out += configs(["softmax"], run.DTYPES, [n for _, n in run.SHAPES], candidates=tune)
     return list(dict.fromkeys(out))
+
+
+class Lowering(NamedTuple):
+    label: str
+    fn: Callable
+    args: tuple  # jax.ShapeDtypeStruct
+    tiling: tuple[str, int, int, RowTiling] | None = None  # override_tiling's arguments
+    needs_kernel: bool = True  # lowering without a kernel launch is an error
+
+
+def _benchmark_shapes():
+    """(op, dtype, n, the op's arguments) for every norm benchmark shape, ``--quick``'s too
+    (the kernels depend on n, not on the number of rows)."""
+    for name in NORMS:
+        op = run.OPS[name]
+        for dtype in run.DTYPES:
+            for n, m in {n: m for m, n in op.shapes + op.quick_shapes}.items():
+                args = tuple(jax.ShapeDtypeStruct(s, d) for s, d in op.arguments(m, n, dtype))
+                yield op, dtype, n, args
+
+
+def benchmark_lowerings() -> list[Lowering]:
+    """The benchmark's quack_jax norm functions at every dtype and row length it runs."""
+    return [
+        Lowering(f"{op.name} {case.key} {dtype} n={n}", case.fn, args[: case.args])
+        for op, dtype, n, args in _benchmark_shapes()
+        for case in op.cases
+        if case.kernel
+    ]
+
+
+def tuning_lowerings(defaults) -> list[Lowering]:
+    """Each kernel that the tuner times, under each of its candidate tilings; ``defaults``
+    maps (kernel op, dtype, n) to the tiling the benchmark's functions launch."""
+    out = []
+    for op, dtype, n, args in _benchmark_shapes():
+        e = ITEMSIZE[dtype]
+        for t in op.tuned:
+            operands = tuple(jax.eval_shape(t.prepare, *args))
+            for tiling in t.candidates(n, e, defaults[f"{op.name}_{t.name}", dtype, n]):
+                label = f"{op.name} {t.name} {dtype} n={n} {tiling.tag}"
+                out.append(Lowering(label, t.fn, operands, (t.family, n, e, tiling)))
+    return out
+
+
+def test_lowerings() -> list[Lowering]:
+    """``prebuild_cases()`` of tests/test_gpu_norm.py, (fn, args) pairs, if it has them."""
+    try:
+        import test_gpu_norm
+    except ModuleNotFoundError as e:
+        if e.name != "test_gpu_norm":
+            raise
+        return []
+    out = []
+    for i, (fn, args) in enumerate(getattr(test_gpu_norm, "prebuild_cases", list)()):
+        x = jax.tree.leaves(args)[0]
+        label = f"test_gpu_norm case {i}: {x.dtype} {'x'.join(map(str, x.shape))}"
+        out.append(Lowering(label, fn, tuple(args), needs_kernel=False))
+    return out
+
+
+def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True):
+    """Lower each function for a CUDA device of ``arch`` (none needs to be present), which
+    puts every kernel it launches in the cache, compiling the missing ones. Returns the
+    kernels the lowerings launch, as (op, dtype, tiling, variant), in the order first met."""
+    start = time.perf_counter()
+    kernels = {}
+    for i, low in enumerate(lowerings):
+        t0 = time.perf_counter()
+        with run.kernels_used() as used:
+            launches = _lower(low, arch)
+        if low.tiling and low.tiling[3] not in [tiling for _, _, tiling, _ in used]:
+            raise RuntimeError(f"{low.label}: the tiling override did not reach the kernel")
+        new = [k for k in used if k not in kernels]
+        kernels.update(dict.fromkeys(used))
+        if verbose and new:
+            print(
+                f"[{i + 1}/{len(lowerings)}] {low.label:40s} {launches} launches "
+                f"{time.perf_counter() - t0:5.2f} s",
+                flush=True,
+            )
+            for op, dtype, tiling, variant in new:
+                tag = f"{op}{_cache.variant_tag(variant)}"
+                print(f"    {tag:56s} {dtype:9s} n={tiling.n:<7d} {tiling.tag}", flush=True)
+    if verbose:
+        print(f"{what}: {len(kernels)} kernels ready in {time.perf_counter() - start:.1f} s")
+    return list(kernels)
+
+
+def _lower(low: Lowering, arch: str) -> int:
+    """Lower one function for CUDA; returns how many kernel launches it holds."""
+    with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext():
+        text = lower_fn(low.fn, low.args, arch)
+    launches = text.count(f"custom_call @{_ffi.TARGET}")
+    if low.needs_kernel and not launches:
+        raise RuntimeError(f"{low.label}: lowered for {arch} without a kernel launch")
+    return launches
+
+
+def build_norms(tune: bool = False, verbose: bool = True):
+    """Every norm kernel that the benchmark (with ``tune``, its tuner) and the GPU tests
+    launch, built by lowering them for sm_90a. Returns the kernels (see ``lower_for_cuda``)."""
+    kernels = lower_for_cuda(benchmark_lowerings(), "benchmark norms", ARCH, verbose)
+    if tune:
+        defaults = {(op, dtype, tiling.n): tiling for op, dtype, tiling, _ in kernels}
+        kernels += lower_for_cuda(tuning_lowerings(defaults), "tuner candidates", ARCH, verbose)
+    kernels += lower_for_cuda(test_lowerings(), "test_gpu_norm cases", ARCH, verbose)
+    return list(dict.fromkeys(kernels))
 
 
 def main():
@@ -35,7 +163,10 @@ def main():
     parser.add_argument("--tune", action="store_true")
     args = parser.parse_args()
     os.environ["QUACK_JAX_CACHE"] = args.cache
-    build(specs(args.tune), "sm_90a")
+    build(specs(args.tune), ARCH)
+    kernels = build_norms(args.tune)
+    counts = collections.Counter(op for op, *_ in kernels)
+    print(f"{len(kernels)} norm kernels: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

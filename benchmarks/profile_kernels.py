@@ -5,8 +5,9 @@
         python benchmarks/profile_kernels.py
     python benchmarks/profile_kernels.py --report ncu.csv
 
-The first form runs each benchmark shape once (quack_jax forward and vjp, XLA's, a copy);
-the second prints each kernel's duration and achieved DRAM bandwidth.
+The first form runs each benchmark shape of each op once (``--ops``, default all): every
+function the benchmark times (quack_jax's forward and vjp, XLA's, Flax's for the norms)
+and a copy; the second prints each kernel's duration and achieved DRAM bandwidth.
 """
 
 import argparse
@@ -15,29 +16,18 @@ import sys
 from collections import defaultdict
 
 
-def run():
+def run(ops):
     import jax
-    import jax.numpy as jnp
-    from run import SHAPES
+    from run import DTYPES, OPS, make_inputs
 
-    import quack_jax
-
-    def vjp(fn):
-        return lambda x, dy: jax.vjp(fn, x)[1](dy)[0]
-
-    for dtype in ("bfloat16", "float32"):
-        for m, n in SHAPES:
-            kx, kd = jax.random.split(jax.random.key(m))
-            x = jax.random.normal(kx, (m, n), jnp.float32).astype(dtype)
-            dy = jax.random.normal(kd, (m, n), jnp.float32).astype(dtype)
-            for fn, args in (
-                (quack_jax.softmax, (x,)),
-                (vjp(quack_jax.softmax), (x, dy)),
-                (jax.nn.softmax, (x,)),
-                (vjp(jax.nn.softmax), (x, dy)),
-                (lambda x: x * 2, (x,)),
-            ):
-                jax.block_until_ready(jax.jit(fn)(*args))
+    for name in ops:
+        op = OPS[name]
+        for dtype in DTYPES:
+            for m, n in op.shapes:
+                (arguments,) = make_inputs(op.arguments(m, n, dtype), 1, seed=m)
+                for case in op.cases:
+                    jax.block_until_ready(jax.jit(case.fn)(*arguments[: case.args]))
+                jax.block_until_ready(jax.jit(lambda x: x * 2)(arguments[0]))
 
 
 def report(path):
@@ -68,9 +58,12 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--report", help="an ncu CSV log to summarise")
+    parser.add_argument("--ops", nargs="+", help="the benchmark's ops to run (default: all)")
     args = parser.parse_args()
     if args.report:
         report(args.report)
     else:
-        run()
+        from run import OPS
+
+        run(args.ops or list(OPS))
     sys.exit(0)

@@ -1,23 +1,40 @@
-"""quack_jax against XLA, side by side in one process: softmax forward, and forward plus
-backward (``jax.vjp``), on the shapes of the project's anchors.
+"""quack_jax against XLA (and Flax, for the norms), side by side in one process: each op's
+forward, and forward plus backward (``jax.vjp``), on the shapes of the project's anchors.
 
-    python benchmarks/run.py                  # the full table on this machine's default device
+    python benchmarks/run.py                  # every op's table on this machine's default device
     python benchmarks/run.py --quick          # small shapes, seconds on a CPU
-    python benchmarks/run.py --tune --out DIR # also time every candidate tiling (GPU)
+    python benchmarks/run.py --ops rms_norm --tune --out DIR  # also every candidate tiling (GPU)
+
+Ops: softmax, rms_norm, layer_norm (``--ops``); each writes ``<op>.md``, ``<op>.json`` and
+``<op>.png`` to ``--out``.
 
 Timing: one jitted function applies the op to K distinct inputs (no common subexpressions,
 no L2 reuse), K chosen so one call moves about 10 GB; after a warm-up, each sample is
 three back-to-back calls (so host dispatch overlaps the GPU's work), and the result is the
-median of the samples divided by 3 K. XLA's ``jax.nn.softmax`` is timed the same way on the
-same inputs, and so is the ceiling: ``x * 2`` over float32 arrays of the same byte size.
-TB/s counts the bytes the op must move at least: forward 2*M*N*e (read x, write y);
-forward+backward, timed as ``jax.vjp`` with the forward output unused, 3*M*N*e (read x
-and dy, write dx); e is the element size.
+median of the samples divided by 3 K. The references are timed the same way on the same
+inputs: XLA's ``jax.nn.softmax``; for the norms a plain jnp formulation (float32 math,
+rsqrt, LayerNorm with the centred variance, cast back to x's dtype) and Flax's
+``nn.RMSNorm`` / ``nn.LayerNorm`` (dtype x's, float32 params, the same epsilon, applied
+with the same weight and bias). So is the ceiling: ``x * 2`` over float32 arrays of the
+same byte size. TB/s counts the bytes the op must move at least, e being x's element size:
+
+- softmax: forward 2*M*N*e (read x, write y); forward+backward, timed as ``jax.vjp`` with
+  the forward output unused, 3*M*N*e (read x and dy, write dx).
+- rms_norm, layer_norm, with a float32 weight (and bias) of shape (N,) and y in x's dtype:
+  forward 2*M*N*e; forward+backward, ``jax.vjp`` w.r.t. x, weight and bias that also
+  returns y, 5*M*N*e (the forward reads x and writes y, the backward reads x and dy and
+  writes dx; the weight and bias bytes are negligible).
+
+``--tune`` times every candidate tiling of each kernel alone: the forward op, and the
+backward kernel by itself (softmax's derivative; the norms' backward primitive with the
+saved statistics precomputed).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import math
@@ -25,15 +42,23 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 import quack_jax
-from quack_jax import _ffi
+from quack_jax import _cache, _ffi
 from quack_jax._primitive import KERNEL_ARCHS
-from quack_jax._tiling import ITEMSIZE, candidate_tilings, choose_tiling, override_tiling
+from quack_jax._tiling import ITEMSIZE, RowTiling, candidate_tilings, override_tiling
+from quack_jax.norm import _backward as _norm_backward
 from quack_jax.softmax import _derivative
+
+try:
+    import flax.linen as nn
+except ImportError:  # the Flax column stays empty
+    nn = None
 
 SHAPES = [
     (32768, 1024),
@@ -43,12 +68,212 @@ SHAPES = [
     (2048, 131072),
     (1024, 262144),
 ]
+NORM_SHAPES = [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536)]
 QUICK_SHAPES = [(4096, 1024), (512, 8192)]
+NORM_QUICK_SHAPES = [(1024, 1024), (128, 8192)]  # fwd+bwd in bfloat16 is slow on a CPU
 DTYPES = ["bfloat16", "float32"]
+EPS = 1e-6
 TARGET_BYTES = 10e9
 TUNE_BYTES = 2e9  # tuning ranks candidates, so it can afford a larger dispatch share
 MEMORY_BUDGET = 60e9
 CALLS_PER_SAMPLE = 3
+
+
+# -- what an op's benchmark is ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed function of the op's arguments (the last argument is the cotangent dy)."""
+
+    key: str  # the row's entry: seconds per application
+    label: str  # the plot's legend
+    passes: int  # bytes it must move, in units of M*N*e
+    fn: Callable
+    args: int | None = None  # it takes the arguments [:args]: -1 leaves dy out
+    kernel: bool = False  # a quack_jax path: on a kernel device it must launch kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuned:
+    """A kernel family: the table's tiling column, and what ``--tune`` times alone."""
+
+    name: str  # "fwd" or "bwd": the kernel op's suffix, the row's tiling_<name>, tune_<name>
+    family: str
+    passes: int
+    fn: Callable
+    prepare: Callable  # the op's arguments -> fn's
+    live: Callable[[], int] | None = None  # float32 values per element: the register budget
+    staged_rows: int = 0  # row inputs staged in shared memory (persistent kernels)
+
+    def candidates(self, n: int, itemsize: int, default: RowTiling) -> list[RowTiling]:
+        """The tuner's candidates: the tiling the op launches, then the library's candidate
+        tilings of the same vector width."""
+        budget = {} if self.live is None else {"live": self.live()}
+        if self.staged_rows:
+            budget["staged_bytes"] = self.staged_rows * itemsize
+        found = candidate_tilings(self.family, n, itemsize, 16 // default.vec, **budget)
+        return list(dict.fromkeys([default, *found]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    name: str
+    shapes: list[tuple[int, int]]
+    quick_shapes: list[tuple[int, int]]  # --quick
+    arguments: Callable  # (m, n, dtype) -> the (shape, dtype) of each argument, dy last
+    cases: list[Case]
+    tuned: list[Tuned]
+    columns: list[tuple]  # (header, kind, *row keys); see ``cell``
+    footprint: int  # M x N arrays alive per input while timing (memory budget)
+
+    @property
+    def passes(self) -> dict[str, int]:
+        return {"copy": 2} | {c.key: c.passes for c in self.cases}
+
+
+def fwd_bwd(fn, output=False):
+    """``jax.vjp`` of ``fn`` w.r.t. all its arguments, given the cotangent as the last
+    argument; with ``output`` fn's result is returned too, else it is dead code."""
+
+    def f(*args):
+        y, vjp = jax.vjp(fn, *args[:-1])
+        grads = vjp(args[-1])
+        return (y, grads) if output else grads
+
+    return f
+
+
+FWD_COLUMNS = [
+    ("copy TB/s", "rate", "copy"),
+    ("quack fwd TB/s", "rate", "quack_fwd"),
+    ("XLA fwd TB/s", "rate", "xla_fwd"),
+    ("fwd speedup", "speedup", "xla_fwd", "quack_fwd"),
+]
+TILINGS = ("tilings (fwd, bwd)", "tilings")
+
+
+# -- softmax ----------------------------------------------------------------------------
+
+
+def _softmax_derivative(dy, x):
+    return _derivative.bind(dy, x, kind="softmax")[0]
+
+
+SOFTMAX = Op(
+    "softmax",
+    SHAPES,
+    QUICK_SHAPES,
+    arguments=lambda m, n, dtype: [((m, n), dtype)] * 2,
+    cases=[
+        Case("quack_fwd", "quack_jax fwd", 2, quack_jax.softmax, -1, kernel=True),
+        Case("xla_fwd", "XLA fwd", 2, jax.nn.softmax, -1),
+        Case("quack_fwd_bwd", "quack_jax fwd+bwd", 3, fwd_bwd(quack_jax.softmax), kernel=True),
+        Case("xla_fwd_bwd", "XLA fwd+bwd", 3, fwd_bwd(jax.nn.softmax)),
+    ],
+    tuned=[
+        Tuned("fwd", "softmax_fwd", 2, quack_jax.softmax, lambda x, dy: (x,)),
+        Tuned("bwd", "softmax_bwd", 3, _softmax_derivative, lambda x, dy: (dy, x)),
+    ],
+    columns=[
+        *FWD_COLUMNS,
+        ("fwd / copy", "fraction", "quack_fwd", "copy"),
+        ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
+        ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
+        ("fwd+bwd speedup", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
+        TILINGS,
+    ],
+    footprint=6,
+)
+
+
+# -- RMSNorm and LayerNorm ----------------------------------------------------------------
+# arguments: x, weight, [bias], dy; weight and bias float32 of shape (N,)
+
+
+def _statistics(x, rms):
+    """x in float32 (centred for LayerNorm), its per-row rstd and mean."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1)
+    centred = x32 if rms else x32 - mean[..., None]
+    return centred, lax.rsqrt(jnp.mean(centred * centred, axis=-1) + EPS), mean
+
+
+def norm_op(name: str, rms: bool) -> Op:
+    quack = quack_jax.rms_norm if rms else quack_jax.layer_norm
+
+    def quack_fn(x, *params):
+        return quack(x, *params, eps=EPS)
+
+    def xla_fn(x, weight, bias=None):
+        centred, rstd, _ = _statistics(x, rms)
+        y = centred * rstd[..., None] * weight
+        return (y if bias is None else y + bias).astype(x.dtype)
+
+    def flax_fn(x, weight, bias=None):
+        params = {"scale": weight} | ({} if bias is None else {"bias": bias})
+        module = (nn.RMSNorm if rms else nn.LayerNorm)(
+            epsilon=EPS, dtype=x.dtype, param_dtype=jnp.float32
+        )
+        return module.apply({"params": params}, x)
+
+    def backward(*operands):
+        return _norm_backward.bind(
+            *operands,
+            rms=rms,
+            offset=0.0,
+            weight=True,
+            dh=False,
+            weight_grad=True,
+            bias_grad=not rms,
+        )
+
+    def forward_live():
+        return quack_jax.norm.forward_live(residual=False, weight=True, bias=not rms)
+
+    def backward_live():
+        flags = dict(weight=True, dh=False, weight_grad=True, bias_grad=not rms)
+        return quack_jax.norm.backward_live(**flags)
+
+    def backward_operands(x, weight, *rest):
+        _, rstd, mean = _statistics(x, rms)
+        return (rest[-1], x, weight, rstd) + (() if rms else (mean,))
+
+    refs = [("xla", "XLA", xla_fn)] + [("flax", "Flax", flax_fn)] * (nn is not None)
+    return Op(
+        name,
+        NORM_SHAPES,
+        NORM_QUICK_SHAPES,
+        arguments=lambda m, n, dtype: (
+            [((m, n), dtype)] + [((n,), "float32")] * (1 if rms else 2) + [((m, n), dtype)]
+        ),
+        cases=[
+            Case("quack_fwd", "quack_jax fwd", 2, quack_fn, -1, kernel=True),
+            Case("xla_fwd", "XLA fwd", 2, xla_fn, -1),
+            Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_fn, True), kernel=True),
+        ]
+        + [Case(f"{k}_fwd_bwd", f"{lab} fwd+bwd", 5, fwd_bwd(f, True)) for k, lab, f in refs],
+        tuned=[
+            Tuned("fwd", "norm_fwd", 2, quack_fn, lambda *args: args[:-1], forward_live, 1),
+            Tuned("bwd", "norm_bwd", 3, backward, backward_operands, backward_live, 2),
+        ],
+        columns=[
+            *FWD_COLUMNS,
+            ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
+            ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
+            ("Flax fwd+bwd TB/s", "rate", "flax_fwd_bwd"),
+            ("speedup vs XLA", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
+            ("speedup vs Flax", "speedup", "flax_fwd_bwd", "quack_fwd_bwd"),
+            TILINGS,
+        ],
+        footprint=8,
+    )
+
+
+OPS = {op.name: op for op in (SOFTMAX, norm_op("rms_norm", True), norm_op("layer_norm", False))}
+
+
+# -- timing -----------------------------------------------------------------------------
 
 
 def kernel_device() -> bool:
@@ -62,16 +287,24 @@ def describe() -> str:
         return f"{device.device_kind}: quack_jax runs its CuTe-DSL kernels (sm_90a)"
     return (
         f"{device.platform.upper()} ({device.device_kind}): no CUDA GPU with compute "
-        "capability 9.0, so quack_jax ran its XLA fallback here and both columns are XLA"
+        "capability 9.0, so quack_jax ran its XLA fallback here and its columns time XLA"
     )
 
 
-def fwd_bwd(fn):
-    def f(x, dy):
-        _, vjp = jax.vjp(fn, x)
-        return vjp(dy)[0]
-
-    return f
+@contextlib.contextmanager
+def kernels_used():
+    """Collects the kernels, as (op, dtype, tiling, variant), that lowering inside the block
+    takes from the cubin cache (so, on a kernel device or lowering for one, launches)."""
+    held, _cache._memory = _cache._memory, {}  # emptied: what fills it is what is used
+    used = []
+    try:
+        yield used
+    finally:
+        used += [
+            (op, dtype, tiling, variant) for op, dtype, tiling, _, variant, _ in _cache._memory
+        ]
+        held.update(_cache._memory)
+        _cache._memory = held
 
 
 def time_per_call(fn, inputs, reps, require_kernel=False):
@@ -93,141 +326,153 @@ def time_per_call(fn, inputs, reps, require_kernel=False):
     return statistics.median(times) / (CALLS_PER_SAMPLE * len(inputs))
 
 
-def make_inputs(shape, dtype, count, arity, seed):
-    keys = jax.random.split(jax.random.key(seed), count * arity)
-    arrays = [jax.random.normal(k, shape, jnp.float32).astype(dtype) for k in keys]
-    return [tuple(arrays[i * arity : (i + 1) * arity]) for i in range(count)]
+def make_inputs(arguments, count, seed):
+    """``count`` tuples of distinct standard-normal arrays, one per (shape, dtype)."""
+    keys = jax.random.split(jax.random.key(seed), (count, len(arguments)))
+    return [
+        tuple(
+            jax.random.normal(k, shape, jnp.float32).astype(dtype)
+            for k, (shape, dtype) in zip(row, arguments, strict=True)
+        )
+        for row in keys
+    ]
 
 
-def bench_shape(m, n, dtype, reps, tune, quick):
+def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
     e = ITEMSIZE[dtype]
     size = m * n * e
     count = (
         10
         if quick
-        else int(min(max(10, math.ceil(TARGET_BYTES / (2 * size))), MEMORY_BUDGET // (6 * size)))
+        else int(
+            min(
+                max(10, math.ceil(TARGET_BYTES / (2 * size))),
+                MEMORY_BUDGET // (op.footprint * size),
+            )
+        )
     )
     on_gpu = kernel_device()
-    one = make_inputs((m, n), dtype, count, 1, seed=m + n)
-    two = make_inputs((m, n), dtype, count, 2, seed=m * n)
     row = {"dtype": dtype, "m": m, "n": n, "k": count}
-    words = make_inputs((m, n * e // 4), "float32", count, 1, seed=m)
+    words = make_inputs([((m, n * e // 4), "float32")], count, seed=m)
     row["copy"] = time_per_call(lambda x: x * 2, words, reps)
     del words
-    row["quack_fwd"] = time_per_call(quack_jax.softmax, one, reps, require_kernel=on_gpu)
-    row["xla_fwd"] = time_per_call(jax.nn.softmax, one, reps)
-    row["quack_fwd_bwd"] = time_per_call(
-        fwd_bwd(quack_jax.softmax), two, reps, require_kernel=on_gpu
-    )
-    row["xla_fwd_bwd"] = time_per_call(fwd_bwd(jax.nn.softmax), two, reps)
-    for name in ("fwd", "bwd"):
-        row[f"tiling_{name}"] = choose_tiling(f"softmax_{name}", n, e).tag if on_gpu else "-"
+    arguments = make_inputs(op.arguments(m, n, dtype), count, seed=m * n)
+    tilings = {}  # the tilings of the kernels the quack_jax paths launch, by op suffix
+    for case in op.cases:
+        inputs = [a[: case.args] for a in arguments]
+        with kernels_used() as used:
+            row[case.key] = time_per_call(case.fn, inputs, reps, case.kernel and on_gpu)
+        tilings.update((kernel.rsplit("_", 1)[1], tiling) for kernel, _, tiling, _ in used)
+    for t in op.tuned:
+        row[f"tiling_{t.name}"] = tilings[t.name].tag if t.name in tilings else "-"
     if tune:
         k = max(10, math.ceil(TUNE_BYTES / (2 * size)))
-        backward = lambda dy, x: _derivative.bind(dy, x, kind="softmax")[0]  # noqa: E731
-        for name, fn, inputs, factor in (
-            ("fwd", quack_jax.softmax, one[:k], 2),
-            ("bwd", backward, two[:k], 3),
-        ):
-            results = row[f"tune_{name}"] = {}
-            for t in candidate_tilings(f"softmax_{name}", n, e):
-                results[t.tag] = _time_with(t, f"softmax_{name}", fn, inputs, reps)
+        for t in op.tuned:
+            prepare = jax.jit(t.prepare)
+            inputs = [prepare(*a) for a in arguments[:k]]
+            results = row[f"tune_{t.name}"] = {}
+            for tiling in t.candidates(n, e, tilings[t.name]):
+                with override_tiling(t.family, n, e, tiling):
+                    results[tiling.tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
                 print(
-                    f"tune {dtype} {m}x{n} {name} {t.tag} "
-                    f"{tbps(factor * size, results[t.tag]):.3f} TB/s",
+                    f"tune {dtype} {m}x{n} {t.name} {tiling.tag} "
+                    f"{tbps(t.passes * size, results[tiling.tag]):.3f} TB/s",
                     flush=True,
                 )
-    del one, two
+            del inputs
+    del arguments
     return row
 
 
-def _time_with(tiling, family, fn, inputs, reps):
-    with override_tiling(family, tiling.n, ITEMSIZE[inputs[0][0].dtype.name], tiling):
-        return time_per_call(fn, inputs, reps, require_kernel=True)
+# -- reports ----------------------------------------------------------------------------
 
 
 def tbps(nbytes, seconds):
     return nbytes / seconds / 1e12
 
 
-def table(rows) -> str:
-    lines = [
-        "| dtype | M x N | copy TB/s | quack fwd TB/s | XLA fwd TB/s | fwd speedup | fwd / copy "
-        "| quack fwd+bwd TB/s | XLA fwd+bwd TB/s | fwd+bwd speedup | tilings (fwd, bwd) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+def rate(op: Op, r, key):
+    """TB/s of the row's entry ``key``, or None if it was not timed."""
+    if r.get(key) is None:
+        return None
+    return tbps(op.passes[key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]], r[key])
+
+
+def cell(op: Op, r, kind, *keys) -> str:
+    if kind == "tilings":
+        return f"{r['tiling_fwd']}, {r['tiling_bwd']}"
+    values = [rate(op, r, key) for key in keys]
+    if None in values:
+        return "-"
+    if kind == "rate":
+        return f"{values[0]:.3g}"
+    if kind == "speedup":  # the ratio of the times: the first key is the slower one
+        return f"{values[1] / values[0]:.2f}x"
+    return f"{values[0] / values[1]:.0%}"  # fraction
+
+
+def table(op: Op, rows) -> str:
+    headers = ["dtype", "M x N"] + [c[0] for c in op.columns]
+    lines = ["| " + " | ".join(headers) + " |", "| --- " * len(headers) + "|"]
     for r in rows:
-        size = r["m"] * r["n"] * ITEMSIZE[r["dtype"]]
-        copy = tbps(2 * size, r["copy"])
-        qf, xf = tbps(2 * size, r["quack_fwd"]), tbps(2 * size, r["xla_fwd"])
-        qb, xb = tbps(3 * size, r["quack_fwd_bwd"]), tbps(3 * size, r["xla_fwd_bwd"])
-        lines.append(
-            f"| {r['dtype']} | {r['m']} x {r['n']} | {copy:.3g} | {qf:.3g} | {xf:.3g} "
-            f"| {r['xla_fwd'] / r['quack_fwd']:.2f}x | {qf / copy:.0%} | {qb:.3g} | {xb:.3g} "
-            f"| {r['xla_fwd_bwd'] / r['quack_fwd_bwd']:.2f}x "
-            f"| {r['tiling_fwd']}, {r['tiling_bwd']} |"
-        )
+        cells = [r["dtype"], f"{r['m']} x {r['n']}"] + [cell(op, r, *c[1:]) for c in op.columns]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def tuning_table(rows) -> str:
+def tuning_table(op: Op, rows) -> str:
     lines = ["| dtype | M x N | pass | default | TB/s | best | TB/s |", "| --- " * 7 + "|"]
     for r in rows:
         size = r["m"] * r["n"] * ITEMSIZE[r["dtype"]]
-        for name, results, nbytes in (
-            ("fwd", r.get("tune_fwd"), 2 * size),
-            ("bwd", r.get("tune_bwd"), 3 * size),
-        ):
+        for t in op.tuned:
+            results = r.get(f"tune_{t.name}")
             if not results:
                 continue
-            default = r[f"tiling_{name}"]
+            default = r[f"tiling_{t.name}"]
             best = min(results, key=results.get)
             lines.append(
-                f"| {r['dtype']} | {r['m']} x {r['n']} | {name} | {default} "
-                f"| {tbps(nbytes, results[default]):.2f} | {best} "
-                f"| {tbps(nbytes, results[best]):.2f} |"
+                f"| {r['dtype']} | {r['m']} x {r['n']} | {t.name} | {default} "
+                f"| {tbps(t.passes * size, results[default]):.2f} | {best} "
+                f"| {tbps(t.passes * size, results[best]):.2f} |"
             )
     return "\n".join(lines)
 
 
-def plot(rows, path, title):
+def plot(op: Op, rows, path, title):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(DTYPES), figsize=(7 * len(DTYPES), 4.5), squeeze=False)
-    series = [
-        ("quack_fwd", 2, "quack_jax fwd"),
-        ("xla_fwd", 2, "XLA fwd"),
-        ("quack_fwd_bwd", 3, "quack_jax fwd+bwd"),
-        ("xla_fwd_bwd", 3, "XLA fwd+bwd"),
-    ]
+    width = 0.8 / len(op.cases)
     for ax, dtype in zip(axes[0], DTYPES, strict=True):
         sel = [r for r in rows if r["dtype"] == dtype]
         if not sel:
             continue
-        width = 0.2
-        for i, (key, factor, label) in enumerate(series):
-            values = [tbps(factor * r["m"] * r["n"] * ITEMSIZE[dtype], r[key]) for r in sel]
-            ax.bar([j + (i - 1.5) * width for j in range(len(sel))], values, width, label=label)
-        copy = [tbps(2 * r["m"] * r["n"] * ITEMSIZE[dtype], r["copy"]) for r in sel]
+        for i, case in enumerate(op.cases):
+            values = [rate(op, r, case.key) for r in sel]
+            offset = (i - (len(op.cases) - 1) / 2) * width
+            ax.bar([j + offset for j in range(len(sel))], values, width, label=case.label)
+        copy = [rate(op, r, "copy") for r in sel]
         ax.plot(range(len(sel)), copy, "k--", marker="_", label="copy (ceiling)")
         ax.set_xticks(range(len(sel)), [f"{r['m']}x{r['n']}" for r in sel], rotation=20)
         ax.set_ylabel("TB/s")
-        ax.set_title(f"softmax, {dtype}")
-    handles, labels = axes[0][0].get_legend_handles_labels()
+        ax.set_title(f"{op.name}, {dtype}")
+    handles, labels = next(ax for ax in axes[0] if ax.has_data()).get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=pathlib.Path, help="write softmax.{md,json,png} here")
+    parser.add_argument("--out", type=pathlib.Path, help="write <op>.{md,json,png} here")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--tune", action="store_true", help="also time candidate tilings")
     parser.add_argument("--reps", type=int, default=7)
@@ -237,29 +482,34 @@ def main(argv=None):
     if args.tune and not kernel_device():
         parser.error("--tune times kernels, so it needs a GPU that runs them")
     print(describe(), flush=True)
-    rows = []
-    for dtype in args.dtypes:
-        for m, n in QUICK_SHAPES if args.quick else SHAPES:
-            if args.sizes and n not in args.sizes:
-                continue
-            rows.append(bench_shape(m, n, dtype, args.reps, args.tune, args.quick))
-            print(f"  {dtype} {m}x{n} done", file=sys.stderr, flush=True)
-    header = f"softmax, {datetime.date.today()}, {describe()}, jax {jax.__version__}\n\n"
-    report = header + table(rows)
-    if args.tune:
-        report += "\n\nTuning (each candidate tiling timed alone):\n\n" + tuning_table(rows)
-    print(report)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "softmax.md").write_text(report + "\n")
-        meta = {
-            "date": str(datetime.date.today()),
-            "device": describe(),
-            "jax": jax.__version__,
-            "options": {k: v for k, v in vars(args).items() if k != "out"},
-        }
-        (args.out / "softmax.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        plot(rows, args.out / "softmax.png", describe())
+    if nn is None:
+        print("flax is not installed: the norms' Flax columns stay empty", flush=True)
+    for name in args.ops:
+        op = OPS[name]
+        rows = []
+        for dtype in args.dtypes:
+            for m, n in op.quick_shapes if args.quick else op.shapes:
+                if args.sizes and n not in args.sizes:
+                    continue
+                rows.append(bench_shape(op, m, n, dtype, args.reps, args.tune, args.quick))
+                print(f"  {name} {dtype} {m}x{n} done", file=sys.stderr, flush=True)
+        header = f"{name}, {datetime.date.today()}, {describe()}, jax {jax.__version__}\n\n"
+        report = header + table(op, rows)
+        if args.tune:
+            report += "\n\nTuning (each candidate tiling timed alone):\n\n" + tuning_table(op, rows)
+        print(report, flush=True)
+        if args.out and rows:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.md").write_text(report + "\n")
+            meta = {
+                "date": str(datetime.date.today()),
+                "device": describe(),
+                "jax": jax.__version__,
+                "options": {k: v for k, v in vars(args).items() if k != "out"},
+            }
+            rows_json = json.dumps({"meta": meta, "rows": rows}, indent=1)
+            (args.out / f"{name}.json").write_text(rows_json)
+            plot(op, rows, args.out / f"{name}.png", describe())
 
 
 if __name__ == "__main__":
