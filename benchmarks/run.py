@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,8 @@ class Tuned:
     prepare: Callable  # the op's arguments -> fn's
     live: Callable[[], int] | None = None  # float32 values per element: the register budget
     staged_rows: int = 0  # row inputs staged in shared memory (persistent kernels)
+    # also time the op's tiling on a grid of one CTA per row block instead of one wave
+    full_grid: bool = False
 
     def candidates(self, n: int, itemsize: int, default: RowTiling) -> list[RowTiling]:
         """The tuner's candidates: the tiling the op launches, then the library's candidate
@@ -254,7 +257,7 @@ def norm_op(name: str, rms: bool) -> Op:
         ]
         + [Case(f"{k}_fwd_bwd", f"{lab} fwd+bwd", 5, fwd_bwd(f, True)) for k, lab, f in refs],
         tuned=[
-            Tuned("fwd", "norm_fwd", 2, quack_fn, lambda *args: args[:-1], forward_live, 1),
+            Tuned("fwd", "norm_fwd", 2, quack_fn, lambda *args: args[:-1], forward_live, 1, True),
             Tuned("bwd", "norm_bwd", 3, backward, backward_operands, backward_live, 2),
         ],
         columns=[
@@ -371,17 +374,31 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
             prepare = jax.jit(t.prepare)
             inputs = [prepare(*a) for a in arguments[:k]]
             results = row[f"tune_{t.name}"] = {}
-            for tiling in t.candidates(n, e, tilings[t.name]):
-                with override_tiling(t.family, n, e, tiling):
-                    results[tiling.tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
+            variants = [
+                (tiling.tag, tiling, False) for tiling in t.candidates(n, e, tilings[t.name])
+            ]
+            if t.full_grid:
+                default = tilings[t.name]
+                variants.append((f"{default.tag}+full-grid", default, True))
+            for tag, tiling, full_grid in variants:
+                with override_tiling(t.family, n, e, tiling), _full_grid(full_grid):
+                    results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
                 print(
-                    f"tune {dtype} {m}x{n} {t.name} {tiling.tag} "
-                    f"{tbps(t.passes * size, results[tiling.tag]):.3f} TB/s",
+                    f"tune {dtype} {m}x{n} {t.name} {tag} "
+                    f"{tbps(t.passes * size, results[tag]):.3f} TB/s",
                     flush=True,
                 )
             del inputs
     del arguments
     return row
+
+
+def _full_grid(on: bool):
+    """Launch persistent norm kernels on one CTA per row block (an experiment: the kernel
+    loops over the blocks it is given, so only the grid changes)."""
+    if not on:
+        return contextlib.nullcontext()
+    return mock.patch.object(quack_jax.norm, "resident_ctas", lambda *args: 2**31 - 1)
 
 
 # -- reports ----------------------------------------------------------------------------
