@@ -258,7 +258,7 @@ def _norm(x, residual, weight, bias, cfg):
 
 
 def _norm_forward(x, residual, weight, bias, cfg):
-    rms, eps, offset, out_dtype, prenorm = cfg
+    rms, eps, offset, out_dtype, prenorm, _ = cfg
     operands = [a for a in (x, residual, weight, bias) if a is not None]
     outs = _forward.bind(
         *operands,
@@ -272,12 +272,12 @@ def _norm_forward(x, residual, weight, bias, cfg):
     )
     y, stats = outs[0], outs[1 + (residual is not None) :]
     h = x if residual is None else outs[1]
-    return ((y, h) if prenorm else y), (h, weight, bias, residual is not None, stats)
+    return ((y, h) if prenorm else y), (h, weight, bias, stats)
 
 
 def _norm_backward(cfg, saved, cotangents):
-    rms, _, offset, _, prenorm = cfg
-    h, weight, bias, has_residual, stats = saved
+    rms, _, offset, _, prenorm, has_residual = cfg
+    h, weight, bias, stats = saved
     dy, dh = cotangents if prenorm else (cotangents, None)
     operands = [dy, h] + [a for a in (weight, dh) if a is not None] + list(stats)
     outs = _backward.bind(
@@ -356,7 +356,7 @@ def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_
             raise TypeError(
                 f"{fn}: out_dtype must be float32, bfloat16, float16 or float64, got {out.name}"
             )
-    cfg = (rms, eps, offset, out.name, prenorm)
+    cfg = (rms, eps, offset, out.name, prenorm, residual is not None)
     weight, bias = (_varying_like(x, v) for v in (weight, bias))
     return _norm(x, residual, weight, bias, cfg)
 
