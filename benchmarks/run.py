@@ -398,7 +398,7 @@ def _full_grid(on: bool):
     loops over the blocks it is given, so only the grid changes)."""
     if not on:
         return contextlib.nullcontext()
-    return mock.patch.object(quack_jax.norm, "resident_ctas", lambda *args: 2**31 - 1)
+    return mock.patch.object(quack_jax._primitive, "resident_ctas", lambda *args: 2**31 - 1)
 
 
 # -- reports ----------------------------------------------------------------------------

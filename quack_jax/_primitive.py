@@ -39,6 +39,8 @@ MAX_ROWS = 2**31 - 1
 
 # SMs of the devices lowered for when none is present (an H100 SXM or H200 has 132)
 DEFAULT_SMS = 132
+# The register file and limits per SM, for persistent grids (sm_90).
+_SM_REGISTERS, _SM_THREADS, _SM_CTAS, _SM_SMEM = 65536, 2048, 32, 228 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +91,30 @@ def kernel_call(target: Target, op, aval, tiling, results, scalars=(), variant=(
     m = rows(aval)
     kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
     return _ffi.call(kernel, tiling.grid(m), tiling.block, tiling.cluster, (m, *scalars), results)
+
+
+def resident_ctas(kernel, tiling, sms: int) -> int:
+    """How many CTAs of ``kernel`` the GPU holds at once (one wave of a persistent grid)."""
+    warps = tiling.num_threads // 32
+    per_warp = -(-max(kernel.registers, 1) * 32 // 256) * 256
+    per_sm = min(
+        _SM_CTAS,
+        _SM_REGISTERS // (per_warp * warps),
+        _SM_THREADS // tiling.num_threads,
+        _SM_SMEM // (kernel.smem_bytes + 1024),
+    )
+    return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
+
+
+def persistent_call(target: Target, op, aval, tiling, results, scalars=(), variant=()):
+    """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
+    CTAs (at most one per row block); ``results(ctas)`` gives the result structs, which may
+    depend on the grid (per-CTA partials)."""
+    m = rows(aval)
+    kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
+    ctas = min(-(-m // tiling.rows_per_cta), resident_ctas(kernel, tiling, target.sms))
+    grid = (ctas, tiling.cluster_n, 1)
+    return _ffi.call(kernel, grid, tiling.block, tiling.cluster, (m, *scalars), results(ctas))
 
 
 class RowwisePrimitive:

@@ -18,13 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _ffi
-from ._cache import get_kernel
 from ._checks import float_array
-from ._primitive import RowwisePrimitive, Target, row_tiling, rows
-
-# The GPU's register file and limits per SM, for the persistent grid (sm_90).
-_SM_REGISTERS, _SM_THREADS, _SM_CTAS, _SM_SMEM = 65536, 2048, 32, 228 * 1024
+from ._primitive import RowwisePrimitive, Target, persistent_call, row_tiling
 
 
 def _compute_dtype(dtype):
@@ -88,13 +83,6 @@ def forward_live(residual, weight, bias):
     return 1 + residual + weight + bias
 
 
-def _persistent(target: Target, op: str, aval, tiling, variant):
-    """The kernel, and its persistent grid: one wave of CTAs, at most one per row block."""
-    kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
-    ctas = min(-(-rows(aval) // tiling.rows_per_cta), resident_ctas(kernel, tiling, target.sms))
-    return kernel, (ctas, tiling.cluster_n, 1)
-
-
 def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, out_dtype, **flags):
     x = avals_in[0]
     _, w, b = _split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
@@ -110,9 +98,8 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, ou
         + ((("out", out_dtype),) if out_dtype != x.dtype.name else ())
     )
     op = "rms_norm_fwd" if rms else "layer_norm_fwd"
-    kernel, grid = _persistent(target, op, x, tiling, variant)
-    scalars = (rows(x), float(eps)) + ((float(offset),) if w is not None else ())
-    return _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, avals_out)
+    scalars = (float(eps),) + ((float(offset),) if w is not None else ())
+    return persistent_call(target, op, x, tiling, lambda ctas: avals_out, scalars, variant)
 
 
 def _forward_batch(operands, dims, **params):
@@ -170,19 +157,6 @@ def _reference_backward(dy, h, *rest, rms, offset, weight, dh, weight_grad, bias
     return [dx.astype(h.dtype), *grads]
 
 
-def resident_ctas(kernel, tiling, sms: int) -> int:
-    """How many CTAs of ``kernel`` the GPU holds at once (one wave of a persistent grid)."""
-    warps = tiling.num_threads // 32
-    per_warp = -(-max(kernel.registers, 1) * 32 // 256) * 256
-    per_sm = min(
-        _SM_CTAS,
-        _SM_REGISTERS // (per_warp * warps),
-        _SM_THREADS // tiling.num_threads,
-        _SM_SMEM // (kernel.smem_bytes + 1024),
-    )
-    return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
-
-
 def backward_live(weight, dh, weight_grad, bias_grad):
     """float32 values the backward keeps per element: dy, h, the cotangent of h, the
     weight, and the gradient accumulators."""
@@ -204,11 +178,12 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         + tuple((k, True) for k in ("dh", "weight_grad", "bias_grad") if flags[k])
     )
     op = "rms_norm_bwd" if rms else "layer_norm_bwd"
-    kernel, grid = _persistent(target, op, h, tiling, variant)
-    partials = [jax.ShapeDtypeStruct((grid[0], h.shape[-1]), jnp.float32)] * grads
-    scalars = (rows(h),) + ((float(offset),) if w is not None else ())
-    results = [avals_out[0], *partials]
-    launch = _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, results)
+
+    def results(ctas):
+        return [avals_out[0]] + [jax.ShapeDtypeStruct((ctas, h.shape[-1]), jnp.float32)] * grads
+
+    scalars = (float(offset),) if w is not None else ()
+    launch = persistent_call(target, op, h, tiling, results, scalars, variant)
 
     def fn(*operands):
         dx, *parts = launch(*operands)
