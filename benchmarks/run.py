@@ -381,8 +381,14 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
                 default = tilings[t.name]
                 variants.append((f"{default.tag}+full-grid", default, True))
             for tag, tiling, full_grid in variants:
-                with override_tiling(t.family, n, e, tiling), _full_grid(full_grid):
-                    results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
+                try:
+                    with override_tiling(t.family, n, e, tiling), _full_grid(full_grid):
+                        results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
+                except (
+                    jax.errors.JaxRuntimeError
+                ) as error:  # e.g. more shared memory than an SM has
+                    print(f"tune {dtype} {m}x{n} {t.name} {tag} failed: {error}"[:300], flush=True)
+                    continue
                 print(
                     f"tune {dtype} {m}x{n} {t.name} {tag} "
                     f"{tbps(t.passes * size, results[tag]):.3f} TB/s",

@@ -109,10 +109,24 @@ def prebuild_cases():
         yield forward_backward(op, mix), operand_specs(op, m, n, dtype, mix)
     for op, n, dtype in itertools.product(OPS, SPECIAL_SIZES, GPU_DTYPES):
         yield forward_backward(op, MIXES[2]), operand_specs(op, 8, n, dtype, MIXES[2])
-    yield (
-        forward_backward("rms_norm", MIXES[1]),
-        operand_specs("rms_norm", 6 * 7, 100, "bfloat16", MIXES[1]),
-    )
+    run, specs = forward_backward("rms_norm", MIXES[1]), vmap_specs()
+    yield run, specs
+    yield jax.vmap(run, in_axes=VMAP_AXES), [rank3(s) for s in specs]
+
+
+# test_batched_and_rank3: rms_norm on (6, 7, 100) bfloat16, vmapped over the first axis
+VMAP_AXES = (0, None, None, 0, 0, 0)
+
+
+def vmap_specs():
+    return operand_specs("rms_norm", 6 * 7, 100, "bfloat16", MIXES[1])
+
+
+def rank3(spec):
+    """A (6 * 7, n) row spec as (6, 7, n); vectors and absent operands unchanged."""
+    if spec is None or len(spec.shape) == 1:
+        return spec
+    return jax.ShapeDtypeStruct((6, 7, spec.shape[-1]), spec.dtype)
 
 
 def random_operands(op, m, n, dtype, mix, key):
@@ -252,7 +266,7 @@ def test_batched_and_rank3():
     x3, r3, dy3, dh3 = (a.reshape(6, 7, 100) for a in (x, r, dy, dh))
     run = forward_backward("rms_norm", mix)
     folded_out, folded_grads = compiled(run, (x, w, None, r, dy, dh))(x, w, None, r, dy, dh)
-    out, grads = jax.jit(jax.vmap(run, in_axes=(0, None, None, 0, 0, 0)))(x3, w, None, r3, dy3, dh3)
+    out, grads = jax.jit(jax.vmap(run, in_axes=VMAP_AXES))(x3, w, None, r3, dy3, dh3)
     batched = jax.tree.leaves((out, grads[0]))
     for a, b in zip(batched, jax.tree.leaves((folded_out, folded_grads[0])), strict=True):
         np.testing.assert_array_equal(np.asarray(a).reshape(b.shape), np.asarray(b))
