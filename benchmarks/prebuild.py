@@ -3,11 +3,13 @@
     python benchmarks/prebuild.py --cache .cubins          # tests and benchmarks
     python benchmarks/prebuild.py --cache .cubins --tune   # and the tuner's candidates
 
-Softmax kernels are listed as configs (``specs``) and built directly. The norm kernels are
-built by lowering the benchmark's quack_jax functions (and the cases that
-``tests/test_gpu_norm.py`` lists in ``prebuild_cases()``) for an sm_90a CUDA device on
-this machine: lowering takes each kernel from the cache and compiles the missing ones, so
-exactly the kernels (variants, tilings) those functions launch get built.
+    python benchmarks/prebuild.py --cache .cubins --tune cross_entropy  # one op's only
+
+Softmax kernels are listed as configs (``specs``) and built directly. The norm and
+cross-entropy kernels are built by lowering the benchmark's quack_jax functions (and the
+cases that the GPU test modules list in ``prebuild_cases()``) for an sm_90a CUDA device
+on this machine: lowering takes each kernel from the cache and compiles the missing ones,
+so exactly the kernels (variants, tilings) those functions launch get built.
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import importlib
 import os
 import pathlib
 import sys
@@ -37,10 +40,12 @@ from quack_jax.build import build, configs  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 
 ARCH = "sm_90a"
-NORMS = ("rms_norm", "layer_norm")
+LOWERED = ("rms_norm", "layer_norm", "cross_entropy")
+TEST_MODULES = ("test_gpu_norm", "test_gpu_cross_entropy")
 
 
 def specs(tune: bool = False):
+    """Softmax configs of the tests and the benchmark; with ``tune``, the tuner's too."""
     sizes = sorted(set(shapes.GPU_SIZES) | set(shapes.SPECIAL_SIZES))
     out = configs(["softmax", "log_softmax"], shapes.GPU_DTYPES, sizes)
     out += configs(["softmax"], run.DTYPES, [n for _, n in run.SHAPES], candidates=tune)
@@ -55,10 +60,10 @@ class Lowering(NamedTuple):
     needs_kernel: bool = True  # lowering without a kernel launch is an error
 
 
-def _benchmark_shapes():
+def _benchmark_shapes(ops=LOWERED):
     """(op, dtype, n, the op's arguments) for every norm benchmark shape, ``--quick``'s too
     (the kernels depend on n, not on the number of rows)."""
-    for name in NORMS:
+    for name in ops:
         op = run.OPS[name]
         for dtype in run.DTYPES:
             for n, m in {n: m for m, n in op.shapes + op.quick_shapes}.items():
@@ -76,11 +81,11 @@ def benchmark_lowerings() -> list[Lowering]:
     ]
 
 
-def tuning_lowerings(defaults) -> list[Lowering]:
-    """Each kernel that the tuner times, under each of its candidate tilings; ``defaults``
-    maps (kernel op, dtype, n) to the tiling the benchmark's functions launch."""
+def tuning_lowerings(defaults, ops=LOWERED) -> list[Lowering]:
+    """Each kernel of ``ops`` that the tuner times, under each of its candidate tilings;
+    ``defaults`` maps (kernel op, dtype, n) to the tiling the benchmark's functions launch."""
     out = []
-    for op, dtype, n, args in _benchmark_shapes():
+    for op, dtype, n, args in _benchmark_shapes(ops):
         e = ITEMSIZE[dtype]
         for t in op.tuned:
             operands = tuple(jax.eval_shape(t.prepare, *args))
@@ -91,18 +96,14 @@ def tuning_lowerings(defaults) -> list[Lowering]:
 
 
 def test_lowerings() -> list[Lowering]:
-    """``prebuild_cases()`` of tests/test_gpu_norm.py, (fn, args) pairs, if it has them."""
-    try:
-        import test_gpu_norm
-    except ModuleNotFoundError as e:
-        if e.name != "test_gpu_norm":
-            raise
-        return []
+    """``prebuild_cases()`` of the GPU test modules that lower through kernels."""
     out = []
-    for i, (fn, args) in enumerate(getattr(test_gpu_norm, "prebuild_cases", list)()):
-        x = jax.tree.leaves(args)[0]
-        label = f"test_gpu_norm case {i}: {x.dtype} {'x'.join(map(str, x.shape))}"
-        out.append(Lowering(label, fn, tuple(args), needs_kernel=False))
+    for name in TEST_MODULES:
+        module = importlib.import_module(name)
+        for i, (fn, args) in enumerate(module.prebuild_cases()):
+            x = jax.tree.leaves(args)[0]
+            label = f"{name} case {i}: {x.dtype} {'x'.join(map(str, x.shape))}"
+            out.append(Lowering(label, fn, tuple(args), needs_kernel=False))
     return out
 
 
@@ -144,14 +145,16 @@ def _lower(low: Lowering, arch: str) -> int:
     return launches
 
 
-def build_norms(tune: bool = False, verbose: bool = True):
-    """Every norm kernel that the benchmark (with ``tune``, its tuner) and the GPU tests
-    launch, built by lowering them for sm_90a. Returns the kernels (see ``lower_for_cuda``)."""
-    kernels = lower_for_cuda(benchmark_lowerings(), "benchmark norms", ARCH, verbose)
+def build_lowered(tune=(), verbose: bool = True):
+    """Every norm and cross-entropy kernel that the benchmark (and its tuner, for the ops in
+    ``tune``) and the GPU tests launch, built by lowering them for sm_90a. Returns the kernels (see
+    ``lower_for_cuda``)."""
+    kernels = lower_for_cuda(benchmark_lowerings(), "benchmark norms, cross-entropy", ARCH, verbose)
     if tune:
         defaults = {(op, dtype, tiling.n): tiling for op, dtype, tiling, _ in kernels}
-        kernels += lower_for_cuda(tuning_lowerings(defaults), "tuner candidates", ARCH, verbose)
-    kernels += lower_for_cuda(test_lowerings(), "test_gpu_norm cases", ARCH, verbose)
+        candidates = tuning_lowerings(defaults, tune)
+        kernels += lower_for_cuda(candidates, "tuner candidates", ARCH, verbose)
+    kernels += lower_for_cuda(test_lowerings(), "GPU test cases", ARCH, verbose)
     return list(dict.fromkeys(kernels))
 
 
@@ -160,13 +163,16 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--cache", required=True)
-    parser.add_argument("--tune", action="store_true")
+    parser.add_argument(
+        "--tune", nargs="*", metavar="OP", help="also the tuner's candidates (of these ops; all)"
+    )
     args = parser.parse_args()
     os.environ["QUACK_JAX_CACHE"] = args.cache
-    build(specs(args.tune), ARCH)
-    kernels = build_norms(args.tune)
+    tune = [] if args.tune is None else args.tune or ["softmax", *LOWERED]
+    build(specs("softmax" in tune), ARCH)
+    kernels = build_lowered([op for op in tune if op in LOWERED])
     counts = collections.Counter(op for op, *_ in kernels)
-    print(f"{len(kernels)} norm kernels: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    print(f"{len(kernels)} lowered kernels: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 
 
 if __name__ == "__main__":

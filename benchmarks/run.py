@@ -5,8 +5,8 @@ forward, and forward plus backward (``jax.vjp``), on the shapes of the project's
     python benchmarks/run.py --quick          # small shapes, seconds on a CPU
     python benchmarks/run.py --ops rms_norm --tune --out DIR  # also every candidate tiling (GPU)
 
-Ops: softmax, rms_norm, layer_norm (``--ops``); each writes ``<op>.md``, ``<op>.json`` and
-``<op>.png`` to ``--out``.
+Ops: softmax, rms_norm, layer_norm, cross_entropy (``--ops``); each writes ``<op>.md``,
+``<op>.json`` and ``<op>.png`` to ``--out``.
 
 Timing: one jitted function applies the op to K distinct inputs (no common subexpressions,
 no L2 reuse), K chosen so one call moves about 10 GB; after a warm-up, each sample is
@@ -20,6 +20,10 @@ same byte size. TB/s counts the bytes the op must move at least, e being x's ele
 
 - softmax: forward 2*M*N*e (read x, write y); forward+backward, timed as ``jax.vjp`` with
   the forward output unused, 3*M*N*e (read x and dy, write dx).
+- cross_entropy, labels uniform in [0, N), reduction "mean": forward M*N*e (read the
+  logits); forward+backward, ``jax.grad`` of the mean loss w.r.t. the logits, 2*M*N*e (the
+  anchors' count: read the logits, write their gradient; quack_jax's two kernels read the
+  logits twice, so they move 3*M*N*e). XLA is optax's formulation in float32.
 - rms_norm, layer_norm, with a float32 weight (and bias) of shape (N,) and y in x's dtype:
   forward 2*M*N*e; forward+backward, ``jax.vjp`` w.r.t. x, weight and bias that also
   returns y, 5*M*N*e (the forward reads x and writes y, the backward reads x and dy and
@@ -53,6 +57,7 @@ import quack_jax
 from quack_jax import _cache, _ffi
 from quack_jax._primitive import KERNEL_ARCHS
 from quack_jax._tiling import ITEMSIZE, RowTiling, candidate_tilings, override_tiling
+from quack_jax.cross_entropy import _backward as _ce_backward_primitive
 from quack_jax.norm import _backward as _norm_backward
 from quack_jax.softmax import _derivative
 
@@ -273,7 +278,69 @@ def norm_op(name: str, rms: bool) -> Op:
     )
 
 
-OPS = {op.name: op for op in (SOFTMAX, norm_op("rms_norm", True), norm_op("layer_norm", False))}
+# -- cross-entropy ------------------------------------------------------------------------
+# arguments: logits, labels in [0, N), dy (unused: the loss is a scalar, as under jax.grad)
+
+CE_SHAPES = [(32768, 1024), (8192, 32000), (8192, 50257), (4096, 128256), (4096, 151936)]
+CE_SHAPES += [(2048, 262144)]
+CE_QUICK_SHAPES = [(1024, 1024), (128, 32000)]
+
+
+def _quack_ce(logits, labels):
+    return quack_jax.cross_entropy(logits, labels)
+
+
+def _xla_ce(logits, labels):
+    """optax's formulation (logsumexp - target logit) in float32, averaged."""
+    x = logits.astype(jnp.float32)
+    target = jnp.take_along_axis(x, labels[:, None], axis=-1)[:, 0]
+    return jnp.mean(jax.nn.logsumexp(x, axis=-1) - target)
+
+
+def _ce_backward(logits, labels, lse, coefficient):
+    zero = jnp.zeros_like(coefficient)
+    return _ce_backward_primitive.bind(
+        logits, labels, lse, coefficient, coefficient, zero, softcap=None
+    )[0]
+
+
+def _ce_backward_operands(logits, labels, dy):
+    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+    return logits, labels, lse, jnp.full(lse.shape, 1.0 / lse.size, jnp.float32)
+
+
+CROSS_ENTROPY = Op(
+    "cross_entropy",
+    CE_SHAPES,
+    CE_QUICK_SHAPES,
+    arguments=lambda m, n, dtype: [((m, n), dtype), ((m,), "int32", n), ((m, n), dtype)],
+    cases=[
+        Case("quack_fwd", "quack_jax fwd", 1, _quack_ce, -1, kernel=True),
+        Case("xla_fwd", "XLA fwd", 1, _xla_ce, -1),
+        Case("quack_fwd_bwd", "quack_jax fwd+bwd", 2, jax.grad(_quack_ce), -1, kernel=True),
+        Case("xla_fwd_bwd", "XLA fwd+bwd", 2, jax.grad(_xla_ce), -1),
+    ],
+    tuned=[
+        Tuned("fwd", "ce_fwd", 1, _quack_ce, lambda x, labels, dy: (x, labels)),
+        Tuned("bwd", "ce_bwd", 2, _ce_backward, _ce_backward_operands),
+    ],
+    columns=[
+        ("copy TB/s", "rate", "copy"),
+        ("quack fwd TB/s", "rate", "quack_fwd"),
+        ("XLA fwd TB/s", "rate", "xla_fwd"),
+        ("fwd speedup", "speedup", "xla_fwd", "quack_fwd"),
+        ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
+        ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
+        ("fwd+bwd speedup", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
+        TILINGS,
+    ],
+    footprint=4,
+)
+
+OPS = {
+    op.name: op
+    for op in (SOFTMAX, norm_op("rms_norm", True), norm_op("layer_norm", False), CROSS_ENTROPY)
+}
 
 
 # -- timing -----------------------------------------------------------------------------
@@ -330,15 +397,16 @@ def time_per_call(fn, inputs, reps, require_kernel=False):
 
 
 def make_inputs(arguments, count, seed):
-    """``count`` tuples of distinct standard-normal arrays, one per (shape, dtype)."""
+    """``count`` tuples of distinct random arrays, one per (shape, dtype): standard normal,
+    or for (shape, "int32", high) integers in [0, high)."""
     keys = jax.random.split(jax.random.key(seed), (count, len(arguments)))
-    return [
-        tuple(
-            jax.random.normal(k, shape, jnp.float32).astype(dtype)
-            for k, (shape, dtype) in zip(row, arguments, strict=True)
-        )
-        for row in keys
-    ]
+
+    def draw(k, shape, dtype, *high):
+        if high:
+            return jax.random.randint(k, shape, 0, high[0], jnp.int32)
+        return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+
+    return [tuple(draw(k, *a) for k, a in zip(row, arguments, strict=True)) for row in keys]
 
 
 def bench_shape(op: Op, m, n, dtype, reps, tune, quick):

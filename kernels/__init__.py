@@ -24,6 +24,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from quack_jax._tiling import RowTiling
 
+from .cross_entropy import CrossEntropyBackward, CrossEntropyForward
 from .norm import NormBackward, NormForward
 from .softmax import SoftmaxDerivative, SoftmaxForward
 
@@ -40,6 +41,8 @@ KERNELS = {
     "layer_norm_fwd": (NormForward, {"rms": False}),
     "rms_norm_bwd": (NormBackward, {"rms": True}),
     "layer_norm_bwd": (NormBackward, {"rms": False}),
+    "cross_entropy_fwd": (CrossEntropyForward, {}),
+    "cross_entropy_bwd": (CrossEntropyBackward, {}),
 }
 
 

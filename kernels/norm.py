@@ -100,7 +100,7 @@ class NormForward(RowKernel):
                 (total,) = self.row_sums((h,), reduction, 0, it % 2)
                 mean = total * (1.0 / n)
                 self.store_stat(cta, pmean, m, mean)
-                centred = self.zero_outside(cta, h - mean)
+                centred = self.fill_outside(cta, h - mean)
                 (squares,) = self.row_sums((centred * centred,), reduction, 1, it % 2)
             rstd = cute.math.rsqrt(squares * (1.0 / n) + eps, fastmath=True)
             self.store_stat(cta, prstd, m, rstd)

@@ -31,8 +31,9 @@ LN_2 = math.log(2.0)
 class CtaView:
     """One thread's share of a CTA's tile: per-tensor partitions (row-major inputs,
     outputs, and length-n vectors broadcast over the rows), the column predicates (None
-    when every vector is inside the row), this thread's row and whether it exists, and
-    whether the thread holds the row's first column."""
+    when every vector is inside the row), this thread's row and whether it exists,
+    whether the thread holds the row's first column, and the (row, column) coordinates
+    of its elements within the CTA's tile, whose first column is ``col0``."""
 
     sources: list
     destinations: list
@@ -41,6 +42,8 @@ class CtaView:
     row: Int32
     in_rows: cutlass.Boolean
     first_col: cutlass.Boolean
+    tXcX: cute.Tensor
+    col0: Int32
 
 
 @dataclasses.dataclass
@@ -134,7 +137,7 @@ class RowKernel:
         tXpX = None if const_expr(self.even_cols) else self.column_predicates(tXcX, col0)
         row = row0 + tXcX[0][0]
         first_col = col0 + tXcX[0][1] == 0
-        return CtaView(sources, destinations, vecs, tXpX, row, row < m, first_col)
+        return CtaView(sources, destinations, vecs, tXpX, row, row < m, first_col, tXcX, col0)
 
     def load(self, cta: CtaView, fills: tuple[float, ...]) -> list[cute.TensorSSA]:
         """This thread's values of every input as float32, each ``fill`` outside the tensor."""
@@ -301,8 +304,8 @@ class RowKernel:
         return out
 
     @cute.jit
-    def zero_outside(self, cta: CtaView, values: cute.TensorSSA) -> cute.TensorSSA:
-        """``values`` with the vectors past the end of the row set to zero."""
+    def fill_outside(self, cta: CtaView, values: cute.TensorSSA, fill=0.0) -> cute.TensorSSA:
+        """``values`` with the vectors past the end of the row set to ``fill``."""
         out = values
         if const_expr(not self.even_cols):
             frag = cute.make_rmem_tensor(values.shape, Float32)
@@ -311,7 +314,7 @@ class RowKernel:
                 for k in cutlass.range_constexpr(cute.size(cta.tXpX, mode=[2])):
                     for i in cutlass.range_constexpr(cute.size(frag, mode=[0, 0])):
                         frag[(i, v), 0, k] = cutlass.select_(
-                            cta.tXpX[v, 0, k], frag[(i, v), 0, k], Float32(0.0)
+                            cta.tXpX[v, 0, k], frag[(i, v), 0, k], Float32(fill)
                         )
             out = frag.load()
         return out
@@ -454,7 +457,14 @@ class RowKernel:
         return tuple(sums)
 
     @cute.jit
-    def row_softmax(self, x: cute.TensorSSA, reduction: Reduction, t=None, t_times_e: bool = True):
+    def row_softmax(
+        self,
+        x: cute.TensorSSA,
+        reduction: Reduction,
+        t=None,
+        t_times_e: bool = True,
+        shift=None,
+    ):
         """Row statistics of softmax(x) in one reduction round trip.
 
         Returns (m, s, e, w): the row max m, s = sum(exp(x - m)), this thread's
@@ -462,13 +472,16 @@ class RowKernel:
         ``t_times_e`` is false (None without t). Each warp reduces against its own max;
         the partials are rescaled to the row max when combined. An all -inf row gives
         m = -inf and s = 0, so softmax of it is NaN as in ``jax.nn.softmax``; a NaN or
-        +inf anywhere makes s NaN.
+        +inf anywhere makes s NaN. ``shift(m)`` is what exp is taken relative to
+        (default ``finite_or_zero``; ``finite_or_zero_inf`` also shifts a +inf max by 0,
+        so that s is +inf rather than NaN and ``shift(m) + log(s)`` is logsumexp's +inf).
         """
+        shift = finite_or_zero if const_expr(shift is None) else shift
         m = self.row_group_reduce(
             x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
             cute.arch.fmax,
         )
-        e = cute.math.exp2((x - finite_or_zero(m)) * LOG2_E, fastmath=True)
+        e = cute.math.exp2((x - shift(m)) * LOG2_E, fastmath=True)
         s = self.row_group_reduce(
             e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
         )
@@ -488,7 +501,7 @@ class RowKernel:
                 ms.load().reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
                 cute.arch.fmax,
             )
-            base = finite_or_zero(m_row)
+            base = shift(m_row)
             ss = self.gathered(buf, 1, 0.0)
             scales = cute.make_rmem_tensor(cute.size(ms), Float32)
             s_row = Float32(0.0)
@@ -513,6 +526,11 @@ class RowKernel:
 def finite_or_zero(m: Float32) -> Float32:
     """The shift used for exp: a max of -inf (an all -inf or all-padding slice) shifts by 0."""
     return cutlass.select_(m == -Float32.inf, Float32(0.0), m)
+
+
+def finite_or_zero_inf(m: Float32) -> Float32:
+    """The shift of ``row_softmax`` for logsumexp: 0 for a max of -inf or +inf."""
+    return cutlass.select_(m == Float32.inf, Float32(0.0), finite_or_zero(m))
 
 
 @cute.jit

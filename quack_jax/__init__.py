@@ -6,8 +6,17 @@ reference with the same semantics.
 """
 
 from ._cache import MissingKernelError
+from .cross_entropy import cross_entropy, softmax_cross_entropy_with_integer_labels
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
 __version__ = "0.1.0"
-__all__ = ["MissingKernelError", "layer_norm", "log_softmax", "rms_norm", "softmax"]
+__all__ = [
+    "MissingKernelError",
+    "cross_entropy",
+    "layer_norm",
+    "log_softmax",
+    "rms_norm",
+    "softmax",
+    "softmax_cross_entropy_with_integer_labels",
+]

@@ -191,12 +191,35 @@ _TABLES["norm_bwd", 4] = [
     (16 * _K, (512, 512, 2)),
     (64 * _K, (128, 128, 16)),
 ]
+# Cross-entropy: the forward reduces a row like softmax's forward (reads only); the
+# backward is elementwise, so long rows are split into column blocks of separate CTAs
+# (``cluster_n`` of them, launched without a cluster) of about 32 elements a thread.
+_TABLES["ce_fwd", 2] = _TABLES["softmax_fwd", 2]
+_TABLES["ce_fwd", 4] = _TABLES["softmax_fwd", 4]
+_TABLES["ce_bwd", 2] = [
+    (1 * _K, (32, 256, 1)),
+    (2 * _K, (64, 256, 1)),
+    (4 * _K, (128, 256, 1)),
+    (8 * _K, (256, 256, 1)),
+    (16 * _K, (256, 256, 2)),
+    (32 * _K, (256, 256, 4)),
+    (64 * _K, (256, 256, 8)),
+    (256 * _K, (256, 256, 16)),
+]
+_TABLES["ce_bwd", 4] = _TABLES["ce_bwd", 2]
 # Register budget: float32 values a thread keeps live. A kernel keeps ``live`` values per
 # element of its row slice (softmax forward: x; its derivative: x and the tangent; norms
 # also weights, bias, residual, cotangents and weight-gradient accumulators), so it holds
 # budget // live elements per thread.
-_MAX_VALUES_PER_THREAD = {"softmax_fwd": 128, "softmax_bwd": 128, "norm_fwd": 128, "norm_bwd": 128}
-_LIVE = {"softmax_fwd": 1, "softmax_bwd": 2}
+_MAX_VALUES_PER_THREAD = {
+    "softmax_fwd": 128,
+    "softmax_bwd": 128,
+    "norm_fwd": 128,
+    "norm_bwd": 128,
+    "ce_fwd": 128,
+    "ce_bwd": 128,
+}
+_LIVE = {"softmax_fwd": 1, "softmax_bwd": 2, "ce_fwd": 1, "ce_bwd": 2}
 
 
 # Kernels that stage row blocks in shared memory (the persistent norm kernels) keep a

@@ -5,10 +5,12 @@ Needs nvidia-cutlass-dsl but no GPU. Example, every softmax kernel for two row l
     python -m quack_jax.build --arch sm_90a --cache .cubins --ops softmax log_softmax \\
         --dtypes float32 bfloat16 float16 --sizes 4096 32000
 
-Norm kernels come in variants (weight and bias dtypes, residual, output dtype); the
-build covers the usual ones (no weight, weights in x's dtype or float32; with and without
-a residual, pre-norm or not; output in x's dtype) by lowering each op's forward and
-backward for CUDA, which compiles exactly the kernels a GPU run of them would launch.
+Norm and cross-entropy kernels come in variants (norms: weight and bias dtypes,
+residual, output dtype; cross-entropy: label smoothing, softcap); the build covers the
+usual ones (no weight, weights in x's dtype or float32; with and without a residual,
+pre-norm or not; output in x's dtype; every cross-entropy variant) by lowering each op's
+forward and backward for CUDA, which compiles exactly the kernels a GPU run of them would
+launch.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ OPS = {
         ("log_softmax_jvp", "softmax_bwd"),
     ),
 }
-# public ops whose kernels are built by lowering them (see norm_functions)
-LOWERED_OPS = ("rms_norm", "layer_norm")
+# public ops whose kernels are built by lowering them (see lowered_functions)
+LOWERED_OPS = ("rms_norm", "layer_norm", "cross_entropy")
 ARCHS = ("sm_90a",)
 DTYPES = tuple(ITEMSIZE)
 
@@ -118,13 +120,41 @@ def norm_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tupl
             yield fn, (row, params, row if residual else None, row)
 
 
+def cross_entropy_functions(dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
+    """(fn, args): loss and gradient of cross-entropy with each kernel variant (label
+    smoothing or not, softcap or not)."""
+    import jax
+
+    from .cross_entropy import cross_entropy
+
+    args = (jax.ShapeDtypeStruct((8, n), dtype), jax.ShapeDtypeStruct((8,), "int32"))
+    for smoothing in (0.0, 0.1):
+        for softcap in (None, 30.0):
+
+            def fn(x, labels, smoothing=smoothing, softcap=softcap):
+                def loss(x):
+                    return cross_entropy(
+                        x, labels, label_smoothing=smoothing, logit_softcap=softcap
+                    )
+
+                return jax.value_and_grad(loss)(x)
+
+            yield fn, args
+
+
+def lowered_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
+    if op == "cross_entropy":
+        return cross_entropy_functions(dtype, n)
+    return norm_functions(op, dtype, n)
+
+
 def build_lowered(ops, dtypes, sizes, arch: str, verbose: bool = True) -> None:
     """Build the kernels of ``LOWERED_OPS`` by lowering their functions for CUDA."""
     start = time.perf_counter()
     for op in ops:
         for dtype in dtypes:
             for n in sizes:
-                for fn, args in norm_functions(op, dtype, n):
+                for fn, args in lowered_functions(op, dtype, n):
                     lower_for_cuda(fn, args, arch)
                 if verbose:
                     print(f"{op:10s} {dtype:9s} n={n:<7d} ready", flush=True)

@@ -12,3 +12,7 @@ NORM_ROWS = (1, 3, 1000, 16384)
 NORM_SIZES = (1, 7, 128, 1000, 4096, 5120, 8192, 16384, 65536)
 # Sizes at which every operand mix is tested (elsewhere one mix per shape, in turn).
 NORM_VARIANT_SIZES = (7, 1000, 4096, 65536)
+# Cross-entropy
+CE_ROWS = (1, 7, 4096, 16384)
+CE_VOCABS = (2, 1000, 32000, 50257, 128256, 151936, 262144)
+CE_DTYPES = ("float32", "bfloat16")

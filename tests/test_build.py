@@ -185,10 +185,26 @@ def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):
 def test_every_norm_variant_compiles(cache):
     """The norm kernels of every usual operand mix (weights none, in x's dtype or float32;
     residual, pre-norm), each dtype, at sizes that take one warp, a CTA and a cluster."""
-    build.build_lowered(build.LOWERED_OPS, build.DTYPES, [7, 4096, 65536], "sm_90a", verbose=False)
+    norms = ("rms_norm", "layer_norm")
+    build.build_lowered(norms, build.DTYPES, [7, 4096, 65536], "sm_90a", verbose=False)
     entries = sorted(cache.glob("*norm*.json"))
     ops = {path.name.split("-")[0] for path in entries}
     assert ops == {"rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd"}
     assert len(entries) > 150
+    for path in entries:
+        assert cubin_arch(base64.b64decode(json.loads(path.read_text())["cubin"])) == 90
+
+
+def test_every_cross_entropy_variant_compiles(cache):
+    """Forward and backward kernels with and without label smoothing and softcap, each
+    dtype, from a one-warp row to odd-length and 16-CTA rows."""
+    sizes = [2, 1000, 50257, 262144]
+    build.build_lowered(["cross_entropy"], build.DTYPES, sizes, "sm_90a", verbose=False)
+    entries = sorted(cache.glob("cross_entropy*.json"))
+    assert {path.name.split("-")[0] for path in entries} == {
+        "cross_entropy_fwd",
+        "cross_entropy_bwd",
+    }
+    assert len(entries) == 3 * len(sizes) * (4 + 2)
     for path in entries:
         assert cubin_arch(base64.b64decode(json.loads(path.read_text())["cubin"])) == 90

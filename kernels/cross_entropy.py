@@ -1,0 +1,161 @@
+"""Cross-entropy over the last axis (the vocabulary) with integer labels.
+
+Forward: one read of the logits, per-row results only. Each thread keeps its slice of
+the row in registers (the CTAs of a cluster share a long row, as in softmax); the row max
+and the sum of exponentials travel together in one reduction round trip, with the sum of
+the logits for label smoothing. One thread per row then reads the target logit from
+global memory (it is in L2) and writes
+    lse  = max + log(sum(exp(x - max)))
+    loss = lse - (1 - smoothing) * x[label] - smoothing * mean(x) + z_loss * lse**2
+with loss 0 for a row whose label is ``ignore_index`` and NaN for a label outside
+[0, V). With a softcap, x is ``cap * tanh(logits / cap)`` throughout.
+
+Backward: given lse, no reduction is left, so the kernel is elementwise: one read of the
+logits and one write of their gradient. The caller folds the cotangents and options into
+three per-row coefficients (a for the softmax, b for the one-hot, c for the uniform
+smoothing term; all 0 on ignored rows, c NaN where an out-of-range label has a cotangent):
+    dx = a * exp(x - lse) - b * [j == label] - c
+times ``1 - (x / cap)**2`` with a softcap. A zero ``a`` drops the softmax term, so an
+ignored row's gradient is 0 even where its logits are NaN. Column blocks of a long row
+go to separate CTAs (no cluster).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from .rowwise import LN_2, LOG2_E, RowKernel, finite_or_zero_inf
+
+
+def _row_scalar(ptr: cute.Pointer, m: Int32, row):
+    return cute.make_tensor(ptr, cute.make_layout(m))[row]
+
+
+def _row_scalar_set(ptr: cute.Pointer, m: Int32, row, value):
+    cute.make_tensor(ptr, cute.make_layout(m))[row] = value
+
+
+class _CrossEntropy(RowKernel):
+    def __init__(self, dtype, tiling, *, softcap=False):
+        super().__init__(dtype, tiling)
+        self.softcap = softcap
+
+    def capped(self, x: cute.TensorSSA, cap) -> cute.TensorSSA:
+        """``cap * tanh(x / cap)`` with a softcap, else x."""
+        if const_expr(self.softcap):
+            return cute.math.tanh(x * (1.0 / cap)) * cap
+        return x
+
+
+class CrossEntropyForward(_CrossEntropy):
+    def __init__(self, dtype, tiling, *, smoothing=False, softcap=False):
+        self.words = 4 if smoothing else 2  # max, sum of exp[, sum of x]: one st.async
+        super().__init__(dtype, tiling, softcap=softcap)
+        self.smoothing = smoothing
+
+    def compile_args(self):
+        stats = tuple(self.pointer(Float32, row=False) for _ in range(2))
+        labels = self.pointer(Int32, row=False)
+        scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0))
+        return (self.pointer(self.dtype), labels, *stats, *scalars)
+
+    @cute.jit
+    def __call__(
+        self,
+        px,
+        plabels,
+        ploss,
+        plse,
+        m: Int32,
+        ignore_index: Int32,
+        smoothing,
+        z_loss,
+        cap,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(px, plabels, ploss, plse, m, ignore_index, smoothing, z_loss, cap).launch(
+            **self.launch_args(m), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self, px, plabels, ploss, plse, m: Int32, ignore_index: Int32, smoothing, z_loss, cap
+    ):
+        n = self.tiling.n
+        cta, reduction = self.setup(m, [px], [])
+        (x,) = self.load(cta, (-float("inf"),))
+        if const_expr(self.softcap):
+            x = self.fill_outside(cta, self.capped(x, cap), -float("inf"))
+        t = self.fill_outside(cta, x) if const_expr(self.smoothing) else None
+        row_max, row_sum, _, total = self.row_softmax(
+            x, reduction, t=t, t_times_e=False, shift=finite_or_zero_inf
+        )
+        lse = finite_or_zero_inf(row_max) + cute.math.log2(row_sum, fastmath=True) * LN_2
+        if cta.in_rows and cta.first_col:
+            label = _row_scalar(plabels, m, cta.row)
+            ignored, outside = label == ignore_index, (label < 0) | (label >= n)
+            col = cutlass.select_(outside, Int32(0), label)
+            row = cute.make_tensor(
+                cute.make_ptr(
+                    self.dtype,
+                    px.toint() + (cutlass.Int64(cta.row) * n + col) * (self.dtype.width // 8),
+                    cute.AddressSpace.gmem,
+                ),
+                cute.make_layout(1),
+            )
+            target = Float32(row[0].to(Float32))
+            if const_expr(self.softcap):
+                target = cute.math.tanh(target * (1.0 / cap)) * cap
+            loss = lse - (1.0 - smoothing) * target
+            loss = loss + cutlass.select_(z_loss == 0.0, Float32(0.0), z_loss * lse * lse)
+            if const_expr(self.smoothing):
+                loss = loss - smoothing * (1.0 / n) * total
+            loss = cutlass.select_(outside, Float32.nan, loss)
+            _row_scalar_set(ploss, m, cta.row, cutlass.select_(ignored, Float32(0.0), loss))
+            _row_scalar_set(plse, m, cta.row, lse)
+
+
+class CrossEntropyBackward(_CrossEntropy):
+    def __init__(self, dtype, tiling, *, softcap=False):
+        super().__init__(dtype, tiling, softcap=softcap)
+        self.smem_bytes = 0  # no reduction
+
+    def compile_args(self):
+        stats = tuple(self.pointer(Float32, row=False) for _ in range(4))
+        labels = self.pointer(Int32, row=False)
+        x, dx = self.pointer(self.dtype), self.pointer(self.dtype)
+        return (x, labels, *stats, dx, Int32(0), Float32(0.0))
+
+    def launch_args(self, m):
+        return {**super().launch_args(m), "cluster": None}  # column blocks, no cluster
+
+    @cute.jit
+    def __call__(self, px, plabels, plse, pa, pb, pc, pdx, m: Int32, cap, stream: cuda.CUstream):
+        self.kernel(px, plabels, plse, pa, pb, pc, pdx, m, cap).launch(
+            **self.launch_args(m), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, px, plabels, plse, pa, pb, pc, pdx, m: Int32, cap):
+        cta = self.view(m, cute.arch.block_idx()[0], [px], [pdx])
+        (x,) = self.load(cta, (0.0,))
+        x = self.capped(x, cap)
+        label = Int32(-1)
+        lse, a, b, c = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+        if cta.in_rows:
+            label = _row_scalar(plabels, m, cta.row)
+            lse, a, b, c = (_row_scalar(p, m, cta.row) for p in (plse, pa, pb, pc))
+        frag = cute.make_rmem_tensor(x.shape, Float32)
+        frag.fill(-c)
+        if a != 0.0:
+            frag.store(a * cute.math.exp2((x - lse) * LOG2_E, fastmath=True) - c)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            hit = cta.col0 + cta.tXcX[i][1] == label
+            frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
+        dx = frag.load()
+        if const_expr(self.softcap):
+            dx = dx * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap)))
+        self.store(cta, dx, cta.destinations[0])

@@ -1,0 +1,296 @@
+"""Cross-entropy with integer labels over the last axis (the vocabulary).
+
+``_forward`` reads the logits once and gives the per-row loss and logsumexp.
+``_backward`` reads the logits once more and writes their gradient, from lse and three
+per-row coefficients that fold in the cotangents and the options. No (rows, vocab)
+float32 intermediate exists on either path. ``jax.grad`` reaches them through a
+``custom_vjp``; the reductions over rows ("sum", "mean") are plain XLA on per-row values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._checks import axis_index, float_array
+from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling
+
+REDUCTIONS = ("none", "sum", "mean")
+_INT32 = np.iinfo(np.int32)
+
+
+def _compute_dtype(dtype):
+    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _capped(logits, softcap):
+    x = logits.astype(_compute_dtype(logits.dtype))
+    return x if softcap is None else softcap * jnp.tanh(x / softcap)
+
+
+def _row_stat(x):
+    return x.update(shape=x.shape[:-1], dtype=_compute_dtype(x.dtype), weak_type=False)
+
+
+# -- forward: (logits, labels) -> (loss, lse) ---------------------------------------
+
+
+def _reference_forward(logits, labels, *, ignore_index, smoothing, z_loss, softcap):
+    x = _capped(logits, softcap)
+    n = x.shape[-1]
+    lse = jax.nn.logsumexp(x, axis=-1)
+    inside = (labels >= 0) & (labels < n)
+    target = jnp.take_along_axis(x, jnp.clip(labels, 0, n - 1)[..., None], axis=-1)[..., 0]
+    loss = lse - (1.0 - smoothing) * target
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    if smoothing:
+        loss = loss - smoothing * jnp.mean(x, axis=-1)
+    loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
+    return [loss.astype(lse.dtype), lse]
+
+
+def _forward_kernel(
+    target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap
+):
+    x = avals_in[0]
+    tiling = row_tiling(x, "ce_fwd", live=1 + bool(smoothing))
+    if tiling is None:
+        return None
+    variant = (("smoothing", True),) * bool(smoothing) + (("softcap", True),) * (
+        softcap is not None
+    )
+    scalars = (int(ignore_index), float(smoothing), float(z_loss), float(softcap or 0.0))
+    return kernel_call(target, "cross_entropy_fwd", x, tiling, avals_out, scalars, variant)
+
+
+_forward = RowwisePrimitive(
+    "quack_jax_cross_entropy",
+    kernel=_forward_kernel,
+    reference=_reference_forward,
+    num_outputs=2,
+    abstract=lambda x, labels, **_: [_row_stat(x)] * 2,
+)
+
+
+# -- backward: (logits, labels, lse, a, b, c) -> dlogits ----------------------------
+
+
+def _reference_backward(logits, labels, lse, a, b, c, *, softcap):
+    x = _capped(logits, softcap)
+    p = jnp.exp(x - lse[..., None])
+    a, b, c = (v[..., None] for v in (a, b, c))
+    hit = jnp.arange(x.shape[-1]) == labels[..., None]
+    dx = jnp.where(a == 0, 0.0, a * p) - c - jnp.where(hit, b, 0.0)
+    if softcap is not None:
+        dx = dx * (1.0 - (x / softcap) ** 2)
+    return [dx.astype(logits.dtype)]
+
+
+def _backward_kernel(target: Target, avals_in, avals_out, *, softcap):
+    x = avals_in[0]
+    tiling = row_tiling(x, "ce_bwd")
+    if tiling is None:
+        return None
+    variant = (("softcap", True),) if softcap is not None else ()
+    scalars = (float(softcap or 0.0),)
+    return kernel_call(
+        target, "cross_entropy_bwd", x, tiling, avals_out, scalars, variant, cluster=False
+    )
+
+
+_backward = RowwisePrimitive(
+    "quack_jax_cross_entropy_backward",
+    kernel=_backward_kernel,
+    reference=_reference_backward,
+)
+
+
+# -- differentiation ----------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cross_entropy(logits, labels, cfg):
+    return _ce_forward(logits, labels, cfg)[0]
+
+
+def _ce_forward(logits, labels, cfg):
+    ignore_index, smoothing, z_loss, softcap = cfg
+    loss, lse = _forward.bind(
+        logits,
+        labels,
+        ignore_index=ignore_index,
+        smoothing=smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+    )
+    return (loss, lse), (logits, labels, lse)
+
+
+def _ce_backward(cfg, saved, cotangents):
+    ignore_index, smoothing, z_loss, softcap = cfg
+    logits, labels, lse = saved
+    g_loss, g_lse = cotangents
+    n = logits.shape[-1]
+    ignored = labels == ignore_index
+    outside = ~ignored & ((labels < 0) | (labels >= n))
+    g = jnp.where(ignored, 0.0, g_loss)
+    a = g + g_lse + (2.0 * z_loss * g * lse if z_loss else 0.0)
+    b = g * (1.0 - smoothing)
+    c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
+    (dlogits,) = _backward.bind(logits, labels, lse, a, b, c, softcap=softcap)
+    return dlogits, None
+
+
+_cross_entropy.defvjp(_ce_forward, _ce_backward)
+
+
+# -- the public functions -----------------------------------------------------------
+
+
+def _real(fn: str, name: str, value, low: float, high: float | None = None) -> float:
+    """A static float in [low, high) (or [low, inf) without ``high``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fn}: {name} must be a Python float (a static value, not an array), "
+            f"got {type(value).__name__}"
+        )
+    value = float(value)
+    if not (math.isfinite(value) and low <= value and (high is None or value < high)):
+        allowed = f"in [{low}, {high})" if high is not None else f">= {low} and finite"
+        raise ValueError(f"{fn}: {name} must be {allowed}, got {value}")
+    return value
+
+
+def _labels(fn: str, labels, shape) -> jax.Array:
+    """``labels`` as int32 of the logits' leading shape; values beyond int32 are clipped
+    (they stay out of range)."""
+    if not (hasattr(labels, "shape") and hasattr(labels, "dtype")):
+        raise TypeError(
+            f"{fn}: labels must be an integer array (jax.Array or numpy.ndarray), "
+            f"got {type(labels).__name__}"
+        )
+    dtype = np.dtype(labels.dtype)
+    if not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{fn}: labels must have an integer dtype (int32, int64), got {dtype.name}")
+    if tuple(labels.shape) != tuple(shape):
+        raise ValueError(
+            f"{fn}: labels must have the logits' leading shape {tuple(shape)}, "
+            f"got {tuple(labels.shape)}"
+        )
+    labels = jnp.asarray(labels)
+    if dtype.itemsize >= 4 and dtype != np.int32:
+        labels = jnp.clip(labels, _INT32.min, _INT32.max)
+    return labels.astype(jnp.int32)
+
+
+def cross_entropy(
+    logits: jax.Array,
+    labels: jax.Array,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    return_lse: bool = False,
+):
+    """Softmax cross-entropy with integer labels over the last axis of ``logits``.
+
+    With ``x = logit_softcap * tanh(logits / logit_softcap)`` (or the logits) and
+    ``lse = logsumexp(x)``, the loss of a row is
+    ``lse - (1 - label_smoothing) * x[label] - label_smoothing * mean(x) + z_loss * lse**2``
+    (PyTorch's label smoothing; PaLM's z-loss; Gemma 2's softcap).
+
+    Args:
+      logits: array (..., V), float32, bfloat16 or float16 (float64 runs the XLA
+        reference). Math is in float32.
+      labels: integer array of shape ``logits.shape[:-1]``.
+      ignore_index: rows with this label have loss 0 and gradient 0 and do not count
+        towards "mean".
+      reduction: "none" (per-row losses, the leading shape), "sum", or "mean" (the sum
+        divided by the number of rows not ignored: NaN when all are ignored, as in
+        PyTorch).
+      label_smoothing: in [0, 1).
+      z_loss: coefficient of ``lse**2``, >= 0.
+      logit_softcap: None, or a positive cap applied to the logits first.
+      return_lse: also return the per-row lse (of every row, ignored ones too).
+
+    Returns:
+      the loss in float32 (float64 for float64 logits), and with ``return_lse`` the
+      tuple ``(loss, lse)``.
+
+    A label outside [0, V) other than ``ignore_index`` gives a NaN loss (and NaN
+    gradient) for its row; it is never read out of bounds. NaN logits give a NaN loss
+    for their row; a row with +inf logits has lse +inf. ``jax.grad`` runs one backward
+    kernel that reads the logits and writes their gradient in their dtype.
+    """
+    fn = "cross_entropy"
+    logits = float_array(fn, "logits", logits)
+    labels = _labels(fn, labels, logits.shape[:-1])
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(
+            f"{fn}: ignore_index must be a Python int, got {type(ignore_index).__name__}"
+        )
+    if not _INT32.min <= ignore_index <= _INT32.max:
+        raise ValueError(f"{fn}: ignore_index must fit in int32, got {ignore_index}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    smoothing = _real(fn, "label_smoothing", label_smoothing, 0.0, 1.0)
+    z_loss = _real(fn, "z_loss", z_loss, 0.0)
+    softcap = None
+    if logit_softcap is not None:
+        softcap = _real(fn, "logit_softcap", logit_softcap, 0.0)
+        if softcap == 0.0:
+            raise ValueError(f"{fn}: logit_softcap must be positive or None, got 0.0")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
+    cfg = (int(ignore_index), smoothing, z_loss, softcap)
+    loss, lse = _cross_entropy(logits, labels, cfg)
+    if reduction == "sum":
+        loss = jnp.sum(loss)
+    elif reduction == "mean":
+        loss = jnp.sum(loss) / jnp.sum(labels != ignore_index).astype(loss.dtype)
+    return (loss, lse) if return_lse else loss
+
+
+def softmax_cross_entropy_with_integer_labels(
+    logits: jax.Array, labels: jax.Array, axis: int = -1, where: jax.Array | None = None
+) -> jax.Array:
+    """``optax.softmax_cross_entropy_with_integer_labels`` on quack_jax's kernels.
+
+    The same per-example loss ``logsumexp(logits) - logits[label]`` (no ignore index, no
+    reduction), the same label handling (a label in [-V, 0) counts from the end, as
+    ``jnp.take_along_axis`` does; any other label outside [0, V) gives NaN) and the same
+    ``where``: of the labels' shape, it sets the loss of rows where it is False to 0;
+    of the logits' shape, it masks logits out of the logsumexp (that case runs optax's
+    XLA formulation). ``axis`` must be an int.
+    """
+    fn = "softmax_cross_entropy_with_integer_labels"
+    logits = float_array(fn, "logits", logits)
+    axis = axis_index(fn, axis, logits.ndim)
+    logits = jnp.moveaxis(logits, axis, -1)
+    labels = _labels(fn, labels, logits.shape[:-1])
+    n = logits.shape[-1]
+    if where is not None and jnp.ndim(where) == logits.ndim:
+        where = jnp.moveaxis(jnp.asarray(where), axis, -1)
+        lse = jax.nn.logsumexp(logits.astype(_compute_dtype(logits.dtype)), axis=-1, where=where)
+        target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+        return jnp.where(jnp.any(where, axis=-1), lse - target, 0.0)
+    wrapped = jnp.where(labels < 0, labels + n, labels)
+    wrapped = jnp.where((wrapped < 0) | (wrapped >= n), n, wrapped)
+    loss = cross_entropy(logits, wrapped, ignore_index=-1, reduction="none")
+    if where is not None:
+        if jnp.shape(where) != labels.shape:
+            raise ValueError(
+                f"{fn}: where must have the labels' shape {labels.shape} or the logits' "
+                f"shape, got {jnp.shape(where)}"
+            )
+        loss = jnp.where(where, loss, 0.0)
+    return loss
