@@ -67,7 +67,7 @@ def _benchmark_shapes(ops=LOWERED):
         op = run.OPS[name]
         for dtype in run.DTYPES:
             for n, m in {n: m for m, n in op.shapes + op.quick_shapes}.items():
-                args = tuple(jax.ShapeDtypeStruct(s, d) for s, d in op.arguments(m, n, dtype))
+                args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
                 yield op, dtype, n, args
 
 

@@ -49,26 +49,52 @@ class _CrossEntropy(RowKernel):
             return cute.math.tanh(x * (1.0 / cap)) * cap
         return x
 
+    @cute.jit
+    def store_gradient(self, cta, x, label, lse, a, b, c, cap, out):
+        """Write ``a * exp(x - lse) - b * [j == label] - c`` (times the softcap's
+        derivative) for this thread's elements of x (softcapped logits); a zero ``a``
+        drops the softmax term."""
+        frag = cute.make_rmem_tensor(x.shape, Float32)
+        frag.fill(-c)
+        if a != 0.0:
+            frag.store(a * cute.math.exp2((x - lse) * LOG2_E, fastmath=True) - c)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            hit = cta.col0 + cta.tXcX[i][1] == label
+            frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
+        dx = frag.load()
+        if const_expr(self.softcap):
+            dx = dx * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap)))
+        self.store(cta, dx, out)
+
 
 class CrossEntropyForward(_CrossEntropy):
-    def __init__(self, dtype, tiling, *, smoothing=False, softcap=False):
+    """With ``grad``, also the gradient of ``sum(w * loss)`` for per-row weights w given
+    as an input (what "sum" and "mean" give the rows), written from the row still in
+    registers: one read of the logits and one write of their gradient in all."""
+
+    def __init__(self, dtype, tiling, *, smoothing=False, softcap=False, grad=False):
         self.words = 4 if smoothing else 2  # max, sum of exp[, sum of x]: one st.async
         super().__init__(dtype, tiling, softcap=softcap)
-        self.smoothing = smoothing
+        self.smoothing, self.grad = smoothing, grad
 
     def compile_args(self):
-        stats = tuple(self.pointer(Float32, row=False) for _ in range(2))
-        labels = self.pointer(Int32, row=False)
+        stat = Float32, False
+        row_weights = (self.pointer(*stat),) if self.grad else (None,)
+        outputs = (self.pointer(*stat), self.pointer(*stat))
+        outputs += (self.pointer(self.dtype),) if self.grad else (None,)
         scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0))
-        return (self.pointer(self.dtype), labels, *stats, *scalars)
+        labels = self.pointer(Int32, False)
+        return (self.pointer(self.dtype), labels, *row_weights, *outputs, *scalars)
 
     @cute.jit
     def __call__(
         self,
         px,
         plabels,
+        pw,
         ploss,
         plse,
+        pdx,
         m: Int32,
         ignore_index: Int32,
         smoothing,
@@ -76,16 +102,27 @@ class CrossEntropyForward(_CrossEntropy):
         cap,
         stream: cuda.CUstream,
     ):
-        self.kernel(px, plabels, ploss, plse, m, ignore_index, smoothing, z_loss, cap).launch(
-            **self.launch_args(m), stream=stream
-        )
+        self.kernel(
+            px, plabels, pw, ploss, plse, pdx, m, ignore_index, smoothing, z_loss, cap
+        ).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
     def kernel(
-        self, px, plabels, ploss, plse, m: Int32, ignore_index: Int32, smoothing, z_loss, cap
+        self,
+        px,
+        plabels,
+        pw,
+        ploss,
+        plse,
+        pdx,
+        m: Int32,
+        ignore_index: Int32,
+        smoothing,
+        z_loss,
+        cap,
     ):
         n = self.tiling.n
-        cta, reduction = self.setup(m, [px], [])
+        cta, reduction = self.setup(m, [px], [pdx] if const_expr(self.grad) else [])
         (x,) = self.load(cta, (-float("inf"),))
         if const_expr(self.softcap):
             x = self.fill_outside(cta, self.capped(x, cap), -float("inf"))
@@ -94,9 +131,11 @@ class CrossEntropyForward(_CrossEntropy):
             x, reduction, t=t, t_times_e=False, shift=finite_or_zero_inf
         )
         lse = finite_or_zero_inf(row_max) + cute.math.log2(row_sum, fastmath=True) * LN_2
-        if cta.in_rows and cta.first_col:
+        label = Int32(ignore_index)
+        if cta.in_rows:
             label = _row_scalar(plabels, m, cta.row)
-            ignored, outside = label == ignore_index, (label < 0) | (label >= n)
+        ignored, outside = label == ignore_index, (label < 0) | (label >= n)
+        if cta.in_rows and cta.first_col:
             col = cutlass.select_(outside, Int32(0), label)
             row = cute.make_tensor(
                 cute.make_ptr(
@@ -116,6 +155,25 @@ class CrossEntropyForward(_CrossEntropy):
             loss = cutlass.select_(outside, Float32.nan, loss)
             _row_scalar_set(ploss, m, cta.row, cutlass.select_(ignored, Float32(0.0), loss))
             _row_scalar_set(plse, m, cta.row, lse)
+        if const_expr(self.grad):
+            w = Float32(0.0)
+            if cta.in_rows:
+                w = _row_scalar(pw, m, cta.row)
+            w = cutlass.select_(ignored, Float32(0.0), w)
+            zterm = cutlass.select_(z_loss == 0.0, Float32(0.0), 2.0 * z_loss * lse)
+            c = w * (smoothing * (1.0 / n))
+            c = cutlass.select_(outside & (w != 0.0), Float32.nan, c)
+            self.store_gradient(
+                cta,
+                x,
+                label,
+                lse,
+                w * (1.0 + zterm),
+                w * (1.0 - smoothing),
+                c,
+                cap,
+                cta.destinations[0],
+            )
 
 
 class CrossEntropyBackward(_CrossEntropy):
@@ -148,14 +206,4 @@ class CrossEntropyBackward(_CrossEntropy):
         if cta.in_rows:
             label = _row_scalar(plabels, m, cta.row)
             lse, a, b, c = (_row_scalar(p, m, cta.row) for p in (plse, pa, pb, pc))
-        frag = cute.make_rmem_tensor(x.shape, Float32)
-        frag.fill(-c)
-        if a != 0.0:
-            frag.store(a * cute.math.exp2((x - lse) * LOG2_E, fastmath=True) - c)
-        for i in cutlass.range_constexpr(cute.size(frag)):
-            hit = cta.col0 + cta.tXcX[i][1] == label
-            frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
-        dx = frag.load()
-        if const_expr(self.softcap):
-            dx = dx * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap)))
-        self.store(cta, dx, cta.destinations[0])
+        self.store_gradient(cta, x, label, lse, a, b, c, cap, cta.destinations[0])

@@ -170,7 +170,8 @@ class RowwisePrimitive:
             jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
             for x, d in zip(operands, dims, strict=True)
         ]
-        return self.bind(*moved, **params), [0] * self.num_outputs
+        outs = self.bind(*moved, **params)
+        return outs, [0] * len(outs)
 
     def _lower_cuda(self, ctx, *operands, **params):
         target = kernel_target(ctx)

@@ -121,8 +121,9 @@ def norm_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tupl
 
 
 def cross_entropy_functions(dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
-    """(fn, args): loss and gradient of cross-entropy with each kernel variant (label
-    smoothing or not, softcap or not)."""
+    """(fn, args): with each kernel variant (label smoothing or not, softcap or not), the
+    gradient of the mean loss (one forward kernel that writes the gradient), and the
+    per-row losses and lse under ``jax.vjp`` (forward and backward kernels)."""
     import jax
 
     from .cross_entropy import cross_entropy
@@ -130,16 +131,20 @@ def cross_entropy_functions(dtype: str, n: int) -> Iterator[tuple[Callable, tupl
     args = (jax.ShapeDtypeStruct((8, n), dtype), jax.ShapeDtypeStruct((8,), "int32"))
     for smoothing in (0.0, 0.1):
         for softcap in (None, 30.0):
+            options = dict(label_smoothing=smoothing, logit_softcap=softcap)
 
-            def fn(x, labels, smoothing=smoothing, softcap=softcap):
-                def loss(x):
-                    return cross_entropy(
-                        x, labels, label_smoothing=smoothing, logit_softcap=softcap
-                    )
+            def mean(x, labels, options=options):
+                return jax.value_and_grad(lambda x: cross_entropy(x, labels, **options))(x)
 
-                return jax.value_and_grad(loss)(x)
+            def rows(x, labels, options=options):
+                def f(x):
+                    return cross_entropy(x, labels, reduction="none", return_lse=True, **options)
 
-            yield fn, args
+                out, vjp = jax.vjp(f, x)
+                return out, vjp(out)
+
+            yield mean, args
+            yield rows, args
 
 
 def lowered_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:

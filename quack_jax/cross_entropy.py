@@ -1,10 +1,12 @@
 """Cross-entropy with integer labels over the last axis (the vocabulary).
 
-``_forward`` reads the logits once and gives the per-row loss and logsumexp.
+``_forward`` reads the logits once and gives the per-row loss and logsumexp, and when
+asked the gradient of a weighted sum of the rows' losses, from the rows it holds.
 ``_backward`` reads the logits once more and writes their gradient, from lse and three
 per-row coefficients that fold in the cotangents and the options. No (rows, vocab)
-float32 intermediate exists on either path. ``jax.grad`` reaches them through a
-``custom_vjp``; the reductions over rows ("sum", "mean") are plain XLA on per-row values.
+float32 intermediate exists on either path. ``jax.grad`` reaches them through
+``custom_vjp``s: a "sum" or "mean" loss takes the one-pass gradient, per-row losses (or
+lse) the two-kernel one. The reductions over rows are plain XLA on per-row values.
 """
 
 from __future__ import annotations
@@ -38,10 +40,24 @@ def _row_stat(x):
     return x.update(shape=x.shape[:-1], dtype=_compute_dtype(x.dtype), weak_type=False)
 
 
-# -- forward: (logits, labels) -> (loss, lse) ---------------------------------------
+def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0):
+    """The backward's per-row coefficients (see kernels/cross_entropy.py) for cotangents
+    g of the loss and g_lse of lse."""
+    ignored = labels == ignore_index
+    outside = ~ignored & ((labels < 0) | (labels >= n))
+    g = jnp.where(ignored, 0.0, g)
+    a = g + g_lse + (2.0 * z_loss * g * lse if z_loss else 0.0)
+    b = g * (1.0 - smoothing)
+    c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
+    return a, b, c
 
 
-def _reference_forward(logits, labels, *, ignore_index, smoothing, z_loss, softcap):
+# -- forward: (logits, labels, [w]) -> (loss, lse, [dlogits]) ----------------------
+# With ``grad``, dlogits is the gradient of sum(w * loss) for per-row weights w.
+
+
+def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad):
+    logits, labels = operands[:2]
     x = _capped(logits, softcap)
     n = x.shape[-1]
     lse = jax.nn.logsumexp(x, axis=-1)
@@ -53,18 +69,28 @@ def _reference_forward(logits, labels, *, ignore_index, smoothing, z_loss, softc
     if smoothing:
         loss = loss - smoothing * jnp.mean(x, axis=-1)
     loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
-    return [loss.astype(lse.dtype), lse]
+    outs = [loss.astype(lse.dtype), lse]
+    if grad:
+        a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, operands[2])
+        outs += _reference_backward(logits, labels, lse, a, b, c, softcap=softcap)
+    return outs
+
+
+def _forward_abstract(x, *_, grad, **__):
+    return [_row_stat(x)] * 2 + [x.update(weak_type=False)] * grad
 
 
 def _forward_kernel(
-    target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap
+    target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap, grad
 ):
     x = avals_in[0]
     tiling = row_tiling(x, "ce_fwd", live=1 + bool(smoothing))
     if tiling is None:
         return None
-    variant = (("smoothing", True),) * bool(smoothing) + (("softcap", True),) * (
-        softcap is not None
+    variant = (
+        (("smoothing", True),) * bool(smoothing)
+        + (("softcap", True),) * (softcap is not None)
+        + (("grad", True),) * grad
     )
     scalars = (int(ignore_index), float(smoothing), float(z_loss), float(softcap or 0.0))
     return kernel_call(target, "cross_entropy_fwd", x, tiling, avals_out, scalars, variant)
@@ -74,8 +100,7 @@ _forward = RowwisePrimitive(
     "quack_jax_cross_entropy",
     kernel=_forward_kernel,
     reference=_reference_forward,
-    num_outputs=2,
-    abstract=lambda x, labels, **_: [_row_stat(x)] * 2,
+    abstract=_forward_abstract,
 )
 
 
@@ -113,42 +138,80 @@ _backward = RowwisePrimitive(
 
 
 # -- differentiation ----------------------------------------------------------------
+# Per-row losses (reduction "none", or lse wanted): the backward kernel reads the logits
+# again once the cotangents are known. A sum or mean alone: its rows' cotangents are
+# known up to one scalar factor in the forward, which writes the gradient from the row in
+# registers; the backward scales it (a multiply by 1 under jax.grad, which XLA removes).
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cross_entropy(logits, labels, cfg):
-    return _ce_forward(logits, labels, cfg)[0]
-
-
-def _ce_forward(logits, labels, cfg):
+def _bind_forward(logits, labels, cfg, *weights):
     ignore_index, smoothing, z_loss, softcap = cfg
-    loss, lse = _forward.bind(
+    return _forward.bind(
         logits,
         labels,
+        *weights,
         ignore_index=ignore_index,
         smoothing=smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        grad=bool(weights),
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _per_row(logits, labels, cfg):
+    return tuple(_bind_forward(logits, labels, cfg))
+
+
+def _per_row_forward(logits, labels, cfg):
+    loss, lse = _bind_forward(logits, labels, cfg)
     return (loss, lse), (logits, labels, lse)
 
 
-def _ce_backward(cfg, saved, cotangents):
+def _per_row_backward(cfg, saved, cotangents):
     ignore_index, smoothing, z_loss, softcap = cfg
     logits, labels, lse = saved
     g_loss, g_lse = cotangents
     n = logits.shape[-1]
-    ignored = labels == ignore_index
-    outside = ~ignored & ((labels < 0) | (labels >= n))
-    g = jnp.where(ignored, 0.0, g_loss)
-    a = g + g_lse + (2.0 * z_loss * g * lse if z_loss else 0.0)
-    b = g * (1.0 - smoothing)
-    c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
+    a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g_loss, g_lse)
     (dlogits,) = _backward.bind(logits, labels, lse, a, b, c, softcap=softcap)
     return dlogits, None
 
 
-_cross_entropy.defvjp(_ce_forward, _ce_backward)
+_per_row.defvjp(_per_row_forward, _per_row_backward)
+
+
+def _row_weights(labels, ignore_index, mean: bool):
+    """The rows' share of a sum (1) or mean (1 / rows not ignored); 0 where ignored."""
+    kept = labels != ignore_index
+    share = 1.0 / jnp.sum(kept).astype(jnp.float32) if mean else 1.0
+    return jnp.where(kept, share, 0.0).astype(jnp.float32)
+
+
+def _reduce(loss, labels, ignore_index, mean: bool):
+    """The sum of the rows' losses (ignored rows hold 0), or their mean over the rows not
+    ignored (NaN when there are none)."""
+    total = jnp.sum(loss)
+    return total / jnp.sum(labels != ignore_index).astype(loss.dtype) if mean else total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _reduced(logits, labels, cfg, mean):
+    loss, _ = _bind_forward(logits, labels, cfg)
+    return _reduce(loss, labels, cfg[0], mean)
+
+
+def _reduced_forward(logits, labels, cfg, mean):
+    weights = _row_weights(labels, cfg[0], mean)
+    loss, _, dlogits = _bind_forward(logits, labels, cfg, weights)
+    return _reduce(loss, labels, cfg[0], mean), dlogits
+
+
+def _reduced_backward(cfg, mean, dlogits, g):
+    return (dlogits * g).astype(dlogits.dtype), None
+
+
+_reduced.defvjp(_reduced_forward, _reduced_backward)
 
 
 # -- the public functions -----------------------------------------------------------
@@ -252,11 +315,11 @@ def cross_entropy(
     if not isinstance(return_lse, bool):
         raise TypeError(f"{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
     cfg = (int(ignore_index), smoothing, z_loss, softcap)
-    loss, lse = _cross_entropy(logits, labels, cfg)
-    if reduction == "sum":
-        loss = jnp.sum(loss)
-    elif reduction == "mean":
-        loss = jnp.sum(loss) / jnp.sum(labels != ignore_index).astype(loss.dtype)
+    if reduction != "none" and not return_lse:
+        return _reduced(logits, labels, cfg, reduction == "mean")
+    loss, lse = _per_row(logits, labels, cfg)
+    if reduction != "none":
+        loss = _reduce(loss, labels, cfg[0], reduction == "mean")
     return (loss, lse) if return_lse else loss
 
 
