@@ -89,7 +89,7 @@ def tuning_lowerings(defaults, ops=LOWERED) -> list[Lowering]:
         e = ITEMSIZE[dtype]
         for t in op.tuned:
             operands = tuple(jax.eval_shape(t.prepare, *args))
-            for tiling in t.candidates(n, e, defaults[f"{op.name}_{t.name}", dtype, n]):
+            for tiling in t.candidates(n, e, defaults.get((f"{op.name}_{t.name}", dtype, n))):
                 label = f"{op.name} {t.name} {dtype} n={n} {tiling.tag}"
                 out.append(Lowering(label, t.fn, operands, (t.family, n, e, tiling)))
     return out

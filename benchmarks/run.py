@@ -56,7 +56,13 @@ from jax import lax
 import quack_jax
 from quack_jax import _cache, _ffi
 from quack_jax._primitive import KERNEL_ARCHS
-from quack_jax._tiling import ITEMSIZE, RowTiling, candidate_tilings, override_tiling
+from quack_jax._tiling import (
+    ITEMSIZE,
+    RowTiling,
+    candidate_tilings,
+    choose_tiling,
+    override_tiling,
+)
 from quack_jax.cross_entropy import _backward as _ce_backward_primitive
 from quack_jax.norm import _backward as _norm_backward
 from quack_jax.softmax import _derivative
@@ -114,9 +120,11 @@ class Tuned:
     # also time the op's tiling on a grid of one CTA per row block instead of one wave
     full_grid: bool = False
 
-    def candidates(self, n: int, itemsize: int, default: RowTiling) -> list[RowTiling]:
-        """The tuner's candidates: the tiling the op launches, then the library's candidate
-        tilings of the same vector width."""
+    def candidates(self, n: int, itemsize: int, default: RowTiling | None) -> list[RowTiling]:
+        """The tuner's candidates: the tiling the op launches (``default``; for a kernel
+        that the benchmark's paths do not launch, the family's choice), then the library's
+        candidate tilings of the same vector width."""
+        default = default or choose_tiling(self.family, n, itemsize)
         budget = {} if self.live is None else {"live": self.live()}
         if self.staged_rows:
             budget["staged_bytes"] = self.staged_rows * itemsize
@@ -443,7 +451,7 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
             inputs = [prepare(*a) for a in arguments[:k]]
             results = row[f"tune_{t.name}"] = {}
             variants = [
-                (tiling.tag, tiling, False) for tiling in t.candidates(n, e, tilings[t.name])
+                (tiling.tag, tiling, False) for tiling in t.candidates(n, e, tilings.get(t.name))
             ]
             if t.full_grid:
                 default = tilings[t.name]
@@ -452,9 +460,7 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
                 try:
                     with override_tiling(t.family, n, e, tiling), _full_grid(full_grid):
                         results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
-                except (
-                    jax.errors.JaxRuntimeError
-                ) as error:  # e.g. more shared memory than an SM has
+                except jax.errors.JaxRuntimeError as error:  # e.g. too much shared memory
                     print(f"tune {dtype} {m}x{n} {t.name} {tag} failed: {error}"[:300], flush=True)
                     continue
                 print(
@@ -519,7 +525,7 @@ def tuning_table(op: Op, rows) -> str:
             results = r.get(f"tune_{t.name}")
             if not results:
                 continue
-            default = r[f"tiling_{t.name}"]
+            default = next(iter(results))  # the first candidate: the launched tiling
             best = min(results, key=results.get)
             lines.append(
                 f"| {r['dtype']} | {r['m']} x {r['n']} | {t.name} | {default} "
