@@ -302,7 +302,8 @@ def choose_tiling(
     element the kernel reads (weights), bounds the vector width; ``live`` values per
     element set the register budget (see ``elems_budget``), ``staged_bytes`` the shared
     memory of staged kernels (see ``_fits``). Starts from the tables, then spreads a row
-    over more threads, and then over more CTAs, until the tiling fits.
+    over more threads (up to 256), then over more CTAs, then over more threads again,
+    until the tiling fits.
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
@@ -318,5 +319,8 @@ def choose_tiling(
             threads = max(threads, tpr)
         elif cluster < MAX_CLUSTER:
             cluster *= 2
+        elif tpr < 1024:  # rows a 16-CTA cluster cannot split evenly enough (n = 151936)
+            tpr *= 2
+            threads = max(threads, tpr)
         else:
             return None
