@@ -53,7 +53,7 @@ class _CrossEntropy(RowKernel):
     def store_gradient(self, cta, x, label, lse, a, b, c, cap, out):
         """Write ``a * exp(x - lse) - b * [j == label] - c`` (times the softcap's
         derivative) for this thread's elements of x (softcapped logits); a zero ``a``
-        drops the softmax term."""
+        drops the softmax term, and zero coefficients give a zero row."""
         frag = cute.make_rmem_tensor(x.shape, Float32)
         frag.fill(-c)
         if a != 0.0:
@@ -61,10 +61,11 @@ class _CrossEntropy(RowKernel):
         for i in cutlass.range_constexpr(cute.size(frag)):
             hit = cta.col0 + cta.tXcX[i][1] == label
             frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
-        dx = frag.load()
         if const_expr(self.softcap):
-            dx = dx * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap)))
-        self.store(cta, dx, out)
+            frag.store(frag.load() * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap))))
+            if (a == 0.0) & (b == 0.0) & (c == 0.0):  # a NaN logit must not leak in
+                frag.fill(0.0)
+        self.store(cta, frag.load(), out)
 
 
 class CrossEntropyForward(_CrossEntropy):
@@ -163,12 +164,13 @@ class CrossEntropyForward(_CrossEntropy):
             zterm = cutlass.select_(z_loss == 0.0, Float32(0.0), 2.0 * z_loss * lse)
             c = w * (smoothing * (1.0 / n))
             c = cutlass.select_(outside & (w != 0.0), Float32.nan, c)
+            a = cutlass.select_(w == 0.0, Float32(0.0), w * (1.0 + zterm))  # lse may be NaN
             self.store_gradient(
                 cta,
                 x,
                 label,
                 lse,
-                w * (1.0 + zterm),
+                a,
                 w * (1.0 - smoothing),
                 c,
                 cap,

@@ -46,7 +46,7 @@ def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0)
     ignored = labels == ignore_index
     outside = ~ignored & ((labels < 0) | (labels >= n))
     g = jnp.where(ignored, 0.0, g)
-    a = g + g_lse + (2.0 * z_loss * g * lse if z_loss else 0.0)
+    a = g + g_lse + (jnp.where(g == 0, 0.0, 2.0 * z_loss * g * lse) if z_loss else 0.0)
     b = g * (1.0 - smoothing)
     c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
     return a, b, c
@@ -114,7 +114,8 @@ def _reference_backward(logits, labels, lse, a, b, c, *, softcap):
     hit = jnp.arange(x.shape[-1]) == labels[..., None]
     dx = jnp.where(a == 0, 0.0, a * p) - c - jnp.where(hit, b, 0.0)
     if softcap is not None:
-        dx = dx * (1.0 - (x / softcap) ** 2)
+        dead = (a == 0) & (b == 0) & (c == 0)
+        dx = jnp.where(dead, 0.0, dx * (1.0 - (x / softcap) ** 2))
     return [dx.astype(logits.dtype)]
 
 

@@ -73,7 +73,9 @@ def reference(logits, labels, g, g_lse, opts):
         p = jnp.exp(x64 - jnp.max(x64, -1, keepdims=True))
         p = p / jnp.sum(p, -1, keepdims=True)
         scale = (jnp.abs(g64) * (1 + 2 * z_loss * jnp.abs(lse)) + jnp.abs(gl64))[:, None]
-        mag = scale * (p + jnp.max(p, -1, keepdims=True)) + jnp.abs(g64)[:, None] / x64.shape[1]
+        hit = jnp.arange(x64.shape[1]) == labels[:, None]
+        mag = scale * (p + jnp.max(p, -1, keepdims=True))
+        mag = mag + jnp.abs(g64)[:, None] * (jnp.where(hit, 1.0, 0.0) + 1.0 / x64.shape[1])
         return loss, lse, grad, mag, jnp.abs(lse) + 1
 
 
