@@ -110,7 +110,7 @@ class Case:
 class Tuned:
     """A kernel family: the table's tiling column, and what ``--tune`` times alone."""
 
-    name: str  # "fwd" or "bwd": the kernel op's suffix, the row's tiling_<name>, tune_<name>
+    name: str  # the kernel op's suffix ("fwd", "bwd"), or a name of its own; tune_<name>
     family: str
     passes: int
     fn: Callable
@@ -331,6 +331,8 @@ CROSS_ENTROPY = Op(
     tuned=[
         Tuned("fwd", "ce_fwd", 1, _quack_ce, lambda x, labels, dy: (x, labels)),
         Tuned("bwd", "ce_bwd", 2, _ce_backward, _ce_backward_operands),
+        # the forward that also writes the gradient (a mean loss under jax.grad)
+        Tuned("grad", "ce_fwd", 2, jax.grad(_quack_ce), lambda x, labels, dy: (x, labels)),
     ],
     columns=[
         ("copy TB/s", "rate", "copy"),
