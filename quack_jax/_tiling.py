@@ -302,8 +302,8 @@ def choose_tiling(
     element the kernel reads (weights), bounds the vector width; ``live`` values per
     element set the register budget (see ``elems_budget``), ``staged_bytes`` the shared
     memory of staged kernels (see ``_fits``). Starts from the tables, then spreads a row
-    over more threads (up to 256), then over more CTAs, then over more threads again,
-    until the tiling fits.
+    over more threads (up to 256), then over more CTAs (up to 16, or as many as can share
+    the row, and then over up to 1024 threads), until the tiling fits.
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
@@ -319,7 +319,9 @@ def choose_tiling(
             threads = max(threads, tpr)
         elif cluster < MAX_CLUSTER:
             cluster *= 2
-        elif tpr < 1024:  # rows a 16-CTA cluster cannot split evenly enough (n = 151936)
+        elif tpr < 1024 and tiling.cluster_n < MAX_CLUSTER:
+            # a row that 16 CTAs cannot share (n = 151936 at 256 threads: the 16th CTA
+            # would own nothing) goes to more threads of fewer CTAs
             tpr *= 2
             threads = max(threads, tpr)
         else:
