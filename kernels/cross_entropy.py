@@ -4,11 +4,14 @@ Forward: one read of the logits, per-row results only. Each thread keeps its sli
 the row in registers (the CTAs of a cluster share a long row, as in softmax); the row max
 and the sum of exponentials travel together in one reduction round trip, with the sum of
 the logits for label smoothing. One thread per row then reads the target logit from
-global memory (it is in L2) and writes
+global memory (just loaded, so it is in L2) and writes
     lse  = max + log(sum(exp(x - max)))
     loss = lse - (1 - smoothing) * x[label] - smoothing * mean(x) + z_loss * lse**2
 with loss 0 for a row whose label is ``ignore_index`` and NaN for a label outside
-[0, V). With a softcap, x is ``cap * tanh(logits / cap)`` throughout.
+[0, V). With a softcap, x is ``cap * tanh(logits / cap)`` throughout. With ``grad`` the
+forward also writes the gradient of ``sum(w * loss)`` for per-row weights w (an input),
+from the row still in registers, by the backward's formula below with
+``a = w * (1 + 2 * z_loss * lse)``, ``b = w * (1 - smoothing)``, ``c = w * smoothing / V``.
 
 Backward: given lse, no reduction is left, so the kernel is elementwise: one read of the
 logits and one write of their gradient. The caller folds the cotangents and options into
