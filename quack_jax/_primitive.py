@@ -17,6 +17,7 @@ derivative order (``jax.hessian``, forward-over-reverse) available through XLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _ffi
 from ._cache import get_kernel
+from ._partition import ROWS, partitioned
 from ._tiling import choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
@@ -122,7 +124,9 @@ def persistent_call(target: Target, op, aval, tiling, results, scalars=(), varia
 class RowwisePrimitive:
     """``reference(*operands, **params)`` gives the results. ``kernel(target, avals_in,
     avals_out, **params)`` gives a function of the operands that computes them with
-    kernels for ``target`` (see ``kernel_call``), or None to use the reference."""
+    kernels for ``target`` (see ``kernel_call``), or None to use the reference.
+    ``roles(**params)`` gives the operands' and results' roles for partitioning (see
+    ``_partition``; default: all of the first operand's shape)."""
 
     def __init__(
         self,
@@ -135,6 +139,7 @@ class RowwisePrimitive:
         batch: Callable | None = None,
         jvp: Callable | None = None,
         transpose: Callable | None = None,
+        roles: Callable | None = None,
     ):
         self.kernel = kernel
         self.reference = reference
@@ -147,9 +152,11 @@ class RowwisePrimitive:
         ad.primitive_jvps[p] = jvp or self._reference_jvp
         if transpose:
             ad.primitive_transposes[p] = transpose
-        self._lower_reference = mlir.lower_fun(self._reference_outputs, multiple_results=True)
-        mlir.register_lowering(p, self._lower_reference)
-        mlir.register_lowering(p, self._lower_cuda, platform="cuda")
+        self.roles = roles
+        # partitioning (custom_partitioning, at lowering) needs the device assignment
+        dispatch.prim_requires_devices_during_lowering.add(p)
+        mlir.register_lowering(p, functools.partial(self._lower, cuda=False))
+        mlir.register_lowering(p, functools.partial(self._lower, cuda=True), platform="cuda")
 
     def bind(self, *operands, **params):
         return self.primitive.bind(*operands, **params)
@@ -173,9 +180,18 @@ class RowwisePrimitive:
         outs = self.bind(*moved, **params)
         return outs, [0] * len(outs)
 
-    def _lower_cuda(self, ctx, *operands, **params):
-        target = kernel_target(ctx)
-        fn = target and self.kernel(target, ctx.avals_in, ctx.avals_out, **params)
-        if not fn:
-            return self._lower_reference(ctx, *operands, **params)
+    def _lower(self, ctx, *operands, cuda: bool, **params):
+        """Kernels where the CUDA target has them, else the reference; partitioned along
+        the rows under a sharded jit (see ``_partition``)."""
+        target = kernel_target(ctx) if cuda else None
+
+        def make(avals_in, avals_out):
+            fn = target and self.kernel(target, avals_in, avals_out, **params)
+            return fn or functools.partial(self._reference_outputs, **params)
+
+        n_in, n_out = len(ctx.avals_in), len(ctx.avals_out)
+        roles_in, roles_out = (
+            self.roles(**params) if self.roles else ((ROWS,) * n_in, (ROWS,) * n_out)
+        )
+        fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out)
         return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)

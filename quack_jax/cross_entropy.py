@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import axis_index, float_array
+from ._checks import axis_index, float_array, whole_rows
+from ._partition import ROWS, STAT, role_aval
 from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling
 
 REDUCTIONS = ("none", "sum", "mean")
@@ -37,7 +38,7 @@ def _capped(logits, softcap):
 
 
 def _row_stat(x):
-    return x.update(shape=x.shape[:-1], dtype=_compute_dtype(x.dtype), weak_type=False)
+    return role_aval(x, STAT, _compute_dtype(x.dtype))
 
 
 def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0):
@@ -101,6 +102,7 @@ _forward = RowwisePrimitive(
     kernel=_forward_kernel,
     reference=_reference_forward,
     abstract=_forward_abstract,
+    roles=lambda *, grad, **_: ((ROWS, STAT) + (STAT,) * grad, (STAT, STAT) + (ROWS,) * grad),
 )
 
 
@@ -135,6 +137,7 @@ _backward = RowwisePrimitive(
     "quack_jax_cross_entropy_backward",
     kernel=_backward_kernel,
     reference=_reference_backward,
+    roles=lambda **_: ((ROWS,) + (STAT,) * 5, (ROWS,)),
 )
 
 
@@ -296,7 +299,7 @@ def cross_entropy(
     kernel that reads the logits and writes their gradient in their dtype.
     """
     fn = "cross_entropy"
-    logits = float_array(fn, "logits", logits)
+    logits = whole_rows(fn, "logits", float_array(fn, "logits", logits))
     labels = _labels(fn, labels, logits.shape[:-1])
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._checks import float_array
+from ._checks import float_array, whole_rows
+from ._partition import ROWS, STAT, VECTOR, role_aval
 from ._primitive import RowwisePrimitive, Target, persistent_call, row_tiling
 
 
@@ -56,7 +57,7 @@ def _fold(operands, dims, vectors):
 
 
 def _forward_abstract(x, *rest, rms, residual, out_dtype, **_):
-    stat = x.update(shape=x.shape[:-1], dtype=_compute_dtype(x.dtype), weak_type=False)
+    stat = role_aval(x, STAT, _compute_dtype(x.dtype))
     outs = [x.update(dtype=np.dtype(out_dtype), weak_type=False)]
     outs += [x.update(weak_type=False)] if residual else []
     return outs + [stat] * (1 if rms else 2)
@@ -110,12 +111,18 @@ def _forward_batch(operands, dims, **params):
     return outs, [0] * len(outs)
 
 
+def _forward_roles(*, rms, residual, weight, bias, **_):
+    ins = (ROWS,) * (1 + residual) + (VECTOR,) * (weight + bias)
+    return ins, (ROWS,) * (1 + residual) + (STAT,) * (1 if rms else 2)
+
+
 _forward = RowwisePrimitive(
     "quack_jax_norm",
     kernel=_forward_kernel,
     reference=_reference_forward,
     abstract=_forward_abstract,
     batch=_forward_batch,
+    roles=_forward_roles,
 )
 
 
@@ -124,8 +131,7 @@ _forward = RowwisePrimitive(
 
 
 def _backward_abstract(dy, h, *rest, weight_grad, bias_grad, **_):
-    n = h.shape[-1]
-    grad = h.update(shape=(n,), dtype=_compute_dtype(h.dtype), weak_type=False)
+    grad = role_aval(h, VECTOR, _compute_dtype(h.dtype))
     return [h.update(weak_type=False)] + [grad] * (weight_grad + bias_grad)
 
 
@@ -215,12 +221,18 @@ def _backward_batch(operands, dims, **params):
     return [dx, *grads], [0] * (1 + len(grads))
 
 
+def _backward_roles(*, rms, weight, dh, weight_grad, bias_grad, **_):
+    ins = (ROWS, ROWS) + (VECTOR,) * weight + (ROWS,) * dh + (STAT,) * (1 if rms else 2)
+    return ins, (ROWS,) + (VECTOR,) * (weight_grad + bias_grad)
+
+
 _backward = RowwisePrimitive(
     "quack_jax_norm_backward",
     kernel=_backward_kernel,
     reference=_reference_backward,
     abstract=_backward_abstract,
     batch=_backward_batch,
+    roles=_backward_roles,
 )
 
 
@@ -303,11 +315,11 @@ def _vector(fn: str, name: str, v, x):
 
 
 def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype):
-    x = float_array(fn, "x", x)
+    x = whole_rows(fn, "x", float_array(fn, "x", x))
     weight = _vector(fn, "weight", weight, x)
     bias = _vector(fn, "bias", bias, x)
     if residual is not None:
-        residual = float_array(fn, "residual", residual)
+        residual = whole_rows(fn, "residual", float_array(fn, "residual", residual))
         if residual.shape != x.shape:
             raise ValueError(f"{fn}: residual must have x's shape {x.shape}, got {residual.shape}")
         if residual.dtype != x.dtype:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from ._checks import axis_index, float_array
+from ._checks import axis_index, float_array, whole_rows
 from ._primitive import RowwisePrimitive, kernel_call, row_tiling
 
 _KERNEL_OPS = {"softmax": "softmax_bwd", "log_vjp": "log_softmax_bwd", "log_jvp": "log_softmax_jvp"}
@@ -84,8 +84,9 @@ def _apply(fn: str, x, axis, log: bool):
     x = float_array(fn, "x", x)
     axis = axis_index(fn, axis, x.ndim)
     if axis == x.ndim - 1:
-        return _forward.bind(x, log=log)[0]
-    return jnp.moveaxis(_forward.bind(jnp.moveaxis(x, axis, -1), log=log)[0], -1, axis)
+        return _forward.bind(whole_rows(fn, "x", x), log=log)[0]
+    rows = whole_rows(fn, "x", jnp.moveaxis(x, axis, -1))
+    return jnp.moveaxis(_forward.bind(rows, log=log)[0], -1, axis)
 
 
 def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
