@@ -55,15 +55,19 @@ def sharding_rule(roles_in: Sequence[str], roles_out: Sequence[str], lead: int) 
     return f"{side(roles_in)} -> {side(roles_out)}"
 
 
+def _names(axes) -> tuple:
+    """The mesh axis names of one PartitionSpec entry."""
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def _row_spec(mesh, sharding, aval) -> tuple:
     """The mesh axes of each leading dim of ``aval`` (the first operand) in ``sharding``;
     None for dims that are not sharded or that the mesh does not split evenly."""
     spec = tuple(getattr(sharding, "spec", ())) + (None,) * aval.ndim
     out = []
     for size, axes in zip(aval.shape[:-1], spec, strict=False):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        count = math.prod(mesh.shape[a] for a in names)
-        out.append(axes if names and size % count == 0 else None)
+        count = math.prod(mesh.shape[a] for a in _names(axes))
+        out.append(axes if _names(axes) and size % count == 0 else None)
     return tuple(out)
 
 
@@ -78,8 +82,7 @@ def _local(aval, role: str, lead: tuple, mesh):
         return aval
     shape = list(aval.shape)
     for i, axes in enumerate(lead):
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        shape[i] //= math.prod(mesh.shape[a] for a in names)
+        shape[i] //= math.prod(mesh.shape[a] for a in _names(axes))
     return jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
 
 
@@ -114,9 +117,7 @@ def partitioned(
             [_local(a, r, lead, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
             [_local(a, r, lead, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
         )
-        axes = tuple(
-            name for a in lead if a is not None for name in ((a,) if isinstance(a, str) else a)
-        )
+        axes = tuple(name for a in lead for name in _names(a))
 
         def lower(*operands):
             outs = list(local(*operands))
