@@ -253,7 +253,10 @@ def _labels(fn: str, labels, shape) -> jax.Array:
         )
     labels = jnp.asarray(labels)
     if dtype.itemsize >= 4 and dtype != np.int32:
-        labels = jnp.clip(labels, _INT32.min, _INT32.max)
+        if np.issubdtype(dtype, np.unsignedinteger):
+            labels = jnp.minimum(labels, _INT32.max)
+        else:
+            labels = jnp.clip(labels, _INT32.min, _INT32.max)
     return labels.astype(jnp.int32)
 
 

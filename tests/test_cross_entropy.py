@@ -165,6 +165,9 @@ def test_mean_counts_rows_not_ignored_and_empty_inputs():
     )
     out = quack_jax.cross_entropy(logits.astype(jnp.float16), labels.astype(jnp.int16))
     np.testing.assert_allclose(out, mean, rtol=2e-3)
+    unsigned = jnp.array([0, 3, 2**32 - 1], jnp.uint32)  # the last is out of range, not -1
+    rows = quack_jax.cross_entropy(logits[:3], unsigned, reduction="none")
+    assert np.isfinite(rows[:2]).all() and np.isnan(rows[2])
 
 
 def test_float64_runs_the_reference():
