@@ -1,14 +1,21 @@
-"""How XLA partitions a row-wise op under a sharded ``jit``: along the rows, never the row.
+"""How XLA partitions a row-wise op under a sharded ``jit``: along the rows, and along
+the row only for ops that combine per-row partial statistics.
 
 Every operand and result of a row-wise primitive has one of three roles, relative to the
 first operand's shape ``(*lead, n)``: ``ROWS`` (that shape), ``STAT`` (one value per row,
 shape ``lead``) or ``VECTOR`` (shape ``(n,)``: weights as inputs, sums over all rows as
 results). The op is wrapped in ``jax.experimental.custom_partitioning`` with a Shardy
-sharding rule that keeps n whole: where the leading dims are sharded, each device runs
+sharding rule that keeps n whole (see below for the exception): where the leading dims
+are sharded, each device runs
 the op (kernel or XLA reference) on its own rows, ``VECTOR`` inputs are replicated and
 ``VECTOR`` results are summed over the devices that split the rows (``psum`` of one
-length-n vector). No collective touches the activations. A sharded n is gathered first
-(partial statistics across shards of n are not implemented yet).
+length-n vector). No collective touches the activations.
+
+An op may also take n split across devices (``split``: cross-entropy over a sharded
+vocabulary): each device then holds a slice of every row, and ``split(axes, count)``
+gives the per-device function, which combines per-row partial statistics over the mesh
+``axes`` that split n (``count`` devices). Other ops keep n whole: a sharded n is gathered
+first.
 """
 
 from __future__ import annotations
@@ -60,38 +67,45 @@ def _names(axes) -> tuple:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _row_spec(mesh, sharding, aval) -> tuple:
-    """The mesh axes of each leading dim of ``aval`` (the first operand) in ``sharding``;
-    None for dims that are not sharded or that the mesh does not split evenly."""
+def _count(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in _names(axes))
+
+
+def _dims_spec(mesh, sharding, aval) -> tuple:
+    """The mesh axes of each dim of ``aval`` (the first operand) in ``sharding``; None for
+    dims that are not sharded or that the mesh does not split evenly."""
     spec = tuple(getattr(sharding, "spec", ())) + (None,) * aval.ndim
-    out = []
-    for size, axes in zip(aval.shape[:-1], spec, strict=False):
-        count = math.prod(mesh.shape[a] for a in _names(axes))
-        out.append(axes if _names(axes) and size % count == 0 else None)
-    return tuple(out)
+    return tuple(
+        axes if _names(axes) and size % _count(mesh, axes) == 0 else None
+        for size, axes in zip(aval.shape, spec, strict=False)
+    )
 
 
-def _spec(role: str, lead: tuple) -> PartitionSpec:
-    return {ROWS: PartitionSpec(*lead, None), STAT: PartitionSpec(*lead)}.get(
+def _spec(role: str, lead: tuple, cols) -> PartitionSpec:
+    return {ROWS: PartitionSpec(*lead, cols), STAT: PartitionSpec(*lead)}.get(
         role, PartitionSpec(None)
     )
 
 
-def _local(aval, role: str, lead: tuple, mesh):
+def _local(aval, role: str, lead: tuple, cols, mesh):
     if role == VECTOR:
         return aval
-    shape = list(aval.shape)
-    for i, axes in enumerate(lead):
-        shape[i] //= math.prod(mesh.shape[a] for a in _names(axes))
-    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
+    dims = (*lead, cols) if role == ROWS else lead
+    shape = tuple(size // _count(mesh, axes) for size, axes in zip(aval.shape, dims, strict=True))
+    return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
 def partitioned(
-    make: Callable, avals_in, avals_out, roles_in: Sequence[str], roles_out: Sequence[str]
+    make: Callable,
+    avals_in,
+    avals_out,
+    roles_in: Sequence[str],
+    roles_out: Sequence[str],
+    split: Callable | None = None,
 ):
     """A function of the operands that computes ``make(avals_in, avals_out)(*operands)``
-    and that XLA partitions along the rows (see the module docstring). ``make`` is called
-    again with each device's share of the shapes."""
+    and that XLA partitions along the rows, and with ``split`` along n too (see the module
+    docstring). ``make`` is called again with each device's share of the shapes."""
     lead_rank = len(avals_in[0].shape) - 1
     if lead_rank == 0:  # a single row: nothing to split
         return make(avals_in, avals_out)
@@ -101,22 +115,27 @@ def partitioned(
         return tuple(make(avals_in, avals_out)(*operands))
 
     def shardings(mesh, arg_shapes):
-        lead = _row_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])
+        *lead, cols = _dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])
+        cols = cols if split else None
         return (
-            lead,
-            [NamedSharding(mesh, _spec(r, lead)) for r in roles_in],
-            [NamedSharding(mesh, _spec(r, lead)) for r in roles_out],
+            tuple(lead),
+            cols,
+            [NamedSharding(mesh, _spec(r, lead, cols)) for r in roles_in],
+            [NamedSharding(mesh, _spec(r, lead, cols)) for r in roles_out],
         )
 
     def infer(mesh, arg_shapes, result_shape):
-        return tuple(shardings(mesh, arg_shapes)[2])
+        return tuple(shardings(mesh, arg_shapes)[3])
 
     def partition(mesh, arg_shapes, result_shape):
-        lead, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
-        local = make(
-            [_local(a, r, lead, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
-            [_local(a, r, lead, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
-        )
+        lead, cols, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
+        if cols is not None:
+            local = split(cols, _count(mesh, cols))
+        else:
+            local = make(
+                [_local(a, r, lead, None, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
+                [_local(a, r, lead, None, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
+            )
         axes = tuple(name for a in lead for name in _names(a))
 
         def lower(*operands):
@@ -130,10 +149,15 @@ def partitioned(
 
         return mesh, lower, tuple(out_shardings), tuple(arg_shardings)
 
+    if split:  # n may stay split; where no result has it, they are reduced over it
+        reduces = all(r != ROWS for r in roles_out)
+        factors = {"reduction_factors": ("n",)} if reduces else {}
+    else:
+        factors = {"need_replication_factors": ("n",)}
     op.def_partition(
         partition,
         infer_sharding_from_operands=infer,
         sharding_rule=sharding_rule(roles_in, roles_out, lead_rank),
-        need_replication_factors=("n",),
+        **factors,
     )
     return op

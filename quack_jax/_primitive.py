@@ -126,7 +126,9 @@ class RowwisePrimitive:
     avals_out, **params)`` gives a function of the operands that computes them with
     kernels for ``target`` (see ``kernel_call``), or None to use the reference.
     ``roles(**params)`` gives the operands' and results' roles for partitioning (see
-    ``_partition``; default: all of the first operand's shape)."""
+    ``_partition``; default: all of the first operand's shape); ``split(axes, count,
+    **params)``, for an op that can take its rows split across devices, the per-device
+    function of a slice of n."""
 
     def __init__(
         self,
@@ -140,6 +142,7 @@ class RowwisePrimitive:
         jvp: Callable | None = None,
         transpose: Callable | None = None,
         roles: Callable | None = None,
+        split: Callable | None = None,
     ):
         self.kernel = kernel
         self.reference = reference
@@ -152,7 +155,7 @@ class RowwisePrimitive:
         ad.primitive_jvps[p] = jvp or self._reference_jvp
         if transpose:
             ad.primitive_transposes[p] = transpose
-        self.roles = roles
+        self.roles, self.split = roles, split
         # partitioning (custom_partitioning, at lowering) needs the device assignment
         dispatch.prim_requires_devices_during_lowering.add(p)
         mlir.register_lowering(p, functools.partial(self._lower, cuda=False))
@@ -193,5 +196,6 @@ class RowwisePrimitive:
         roles_in, roles_out = (
             self.roles(**params) if self.roles else ((ROWS,) * n_in, (ROWS,) * n_out)
         )
-        fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out)
+        split = self.split and functools.partial(self.split, **params)
+        fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out, split)
         return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)

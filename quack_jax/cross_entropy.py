@@ -103,6 +103,7 @@ _forward = RowwisePrimitive(
     reference=_reference_forward,
     abstract=_forward_abstract,
     roles=lambda *, grad, **_: ((ROWS, STAT) + (STAT,) * grad, (STAT, STAT) + (ROWS,) * grad),
+    split=lambda *args, **params: _forward_split(*args, **params),
 )
 
 
@@ -138,7 +139,63 @@ _backward = RowwisePrimitive(
     kernel=_backward_kernel,
     reference=_reference_backward,
     roles=lambda **_: ((ROWS,) + (STAT,) * 5, (ROWS,)),
+    split=lambda *args, **params: _backward_split(*args, **params),
 )
+
+
+# -- a vocabulary split across devices (a tensor-parallel LM head) -------------------
+
+
+def _forward_split(axes, count, *, ignore_index, smoothing, z_loss, softcap, grad):
+    """The forward on one device's slice of the vocabulary (``count`` slices over mesh
+    ``axes``): the slices' logsumexp combined with pmax and psum, the target logit from
+    the slice that holds it, then the loss. With ``grad``, the gradient comes from the
+    backward kernel on the slice, which needs the combined lse."""
+
+    def local(logits, labels, *weights):
+        width = logits.shape[-1]
+        n = width * count
+        here = labels - jax.lax.axis_index(axes) * width
+        _, lse_slice = _forward.bind(
+            logits,
+            jnp.full_like(labels, ignore_index),
+            ignore_index=ignore_index,
+            smoothing=0.0,
+            z_loss=0.0,
+            softcap=softcap,
+            grad=False,
+        )
+        top = jax.lax.pmax(lse_slice, axes)
+        shift = jnp.where(jnp.isfinite(top), top, 0.0)
+        lse = shift + jnp.log(jax.lax.psum(jnp.exp(lse_slice - shift), axes))
+        x = _capped(logits, softcap)
+        held = (here >= 0) & (here < width)
+        picked = jnp.take_along_axis(x, jnp.clip(here, 0, width - 1)[..., None], axis=-1)
+        target = jax.lax.psum(jnp.where(held, picked[..., 0], 0.0), axes)
+        loss = lse - (1.0 - smoothing) * target
+        if z_loss:
+            loss = loss + z_loss * lse * lse
+        if smoothing:
+            loss = loss - smoothing * jax.lax.psum(jnp.sum(x, axis=-1), axes) / n
+        inside = (labels >= 0) & (labels < n)
+        loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
+        outs = [loss, lse]
+        if grad:
+            a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, weights[0])
+            outs += _backward.bind(logits, here, lse, a, b, c, softcap=softcap)
+        return outs
+
+    return local
+
+
+def _backward_split(axes, count, *, softcap):
+    """The backward on one device's slice: the label's column counted from the slice."""
+
+    def local(logits, labels, lse, a, b, c):
+        here = labels - jax.lax.axis_index(axes) * logits.shape[-1]
+        return _backward.bind(logits, here, lse, a, b, c, softcap=softcap)
+
+    return local
 
 
 # -- differentiation ----------------------------------------------------------------

@@ -157,3 +157,48 @@ def test_shard_map_of_every_op_matches_unsharded():
         np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-3, err_msg=op)
         np.testing.assert_allclose(gx, rgx, rtol=1e-5, atol=1e-6, err_msg=op)
         np.testing.assert_allclose(gw, rgw, rtol=1e-5, atol=1e-5, err_msg=op)
+
+
+@pytest.mark.parametrize("mesh_shape", [(8,), (2, 4)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(reduction="mean"),
+        dict(reduction="none", return_lse=True),
+        dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0),
+    ],
+    ids=["mean", "rows-lse", "sum-all-options"],
+)
+def test_vocab_parallel_cross_entropy_combines_per_row_statistics(mesh_shape, options):
+    """The vocabulary split across devices (a tensor-parallel LM head), with the rows
+    split too on the 2-D mesh: the loss and its gradient equal the unsharded ones, and the
+    devices exchange only per-row values (no gather; every all-reduce is of at most one
+    value per row)."""
+    axes = ("v",) if len(mesh_shape) == 1 else ("r", "v")
+    mesh = jax.make_mesh(
+        mesh_shape, axes, axis_types=(AxisType.Auto,) * len(axes), devices=jax.devices("cpu")[:8]
+    )
+    rows, vocab = 16, 400
+    x = 3.0 * jax.random.normal(jax.random.key(5), (rows, vocab), jnp.float32)
+    labels = ((jnp.arange(rows) * 37) % vocab).at[0].set(-100).at[1].set(vocab + 3)
+    row_spec = "r" if len(axes) == 2 else None
+    xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec(row_spec, "v")))
+    ls = jax.device_put(labels, NamedSharding(mesh, PartitionSpec(row_spec)))
+
+    def loss(x, labels):
+        out = quack_jax.cross_entropy(x, labels, **options)
+        return jnp.nansum(out[0] + out[1]) if options.get("return_lse") else jnp.nansum(out)
+
+    f = jax.jit(jax.value_and_grad(loss))
+    text = f.lower(xs, ls).compile().as_text()
+    assert not [c for c in GATHERS if c in text]
+    for line in text.splitlines():
+        if "all-reduce(" in line:
+            shape = line.split("=")[1].split("all-reduce(")[0]
+            assert str(vocab) not in shape and str(vocab // 4) not in shape, line
+    (value, grad), (ref, ref_grad) = f(xs, ls), f(x, labels)
+    np.testing.assert_allclose(value, ref, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    if not options.get("return_lse"):  # there nansum drops row 1's NaN loss and cotangent
+        assert np.isnan(np.asarray(grad)[1]).all() and (np.asarray(grad)[0] == 0).all()
+    assert grad.sharding.spec == PartitionSpec(row_spec, "v")
