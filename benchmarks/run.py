@@ -166,6 +166,11 @@ FWD_COLUMNS = [
     ("XLA fwd TB/s", "rate", "xla_fwd"),
     ("fwd speedup", "speedup", "xla_fwd", "quack_fwd"),
 ]
+FWD_BWD_COLUMNS = [
+    ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
+    ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
+    ("fwd+bwd speedup", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
+]
 TILINGS = ("tilings (fwd, bwd)", "tilings")
 
 
@@ -194,9 +199,7 @@ SOFTMAX = Op(
     columns=[
         *FWD_COLUMNS,
         ("fwd / copy", "fraction", "quack_fwd", "copy"),
-        ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
-        ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
-        ("fwd+bwd speedup", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
+        *FWD_BWD_COLUMNS,
         TILINGS,
     ],
     footprint=6,
@@ -334,16 +337,7 @@ CROSS_ENTROPY = Op(
         # the forward that also writes the gradient (a mean loss under jax.grad)
         Tuned("grad", "ce_fwd", 2, jax.grad(_quack_ce), lambda x, labels, dy: (x, labels)),
     ],
-    columns=[
-        ("copy TB/s", "rate", "copy"),
-        ("quack fwd TB/s", "rate", "quack_fwd"),
-        ("XLA fwd TB/s", "rate", "xla_fwd"),
-        ("fwd speedup", "speedup", "xla_fwd", "quack_fwd"),
-        ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
-        ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
-        ("fwd+bwd speedup", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
-        TILINGS,
-    ],
+    columns=[*FWD_COLUMNS, *FWD_BWD_COLUMNS, TILINGS],
     footprint=4,
 )
 

@@ -57,19 +57,39 @@ def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0)
 # With ``grad``, dlogits is the gradient of sum(w * loss) for per-row weights w.
 
 
+def _pick(x, columns):
+    """x at each row's column (clipped into the row: the caller masks the outside ones)."""
+    index = jnp.clip(columns, 0, x.shape[-1] - 1)[..., None]
+    return jnp.take_along_axis(x, index, axis=-1)[..., 0]
+
+
+def _row_loss(lse, target, mean, labels, n, *, ignore_index, smoothing, z_loss):
+    """The kernel's loss of each row from its lse, target logit and ``mean()`` of its
+    (softcapped) logits; 0 where the label is ignored, NaN where it is outside [0, n)."""
+    loss = lse - (1.0 - smoothing) * target
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    if smoothing:
+        loss = loss - smoothing * mean()
+    inside = (labels >= 0) & (labels < n)
+    return jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
+
+
 def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad):
     logits, labels = operands[:2]
     x = _capped(logits, softcap)
     n = x.shape[-1]
     lse = jax.nn.logsumexp(x, axis=-1)
-    inside = (labels >= 0) & (labels < n)
-    target = jnp.take_along_axis(x, jnp.clip(labels, 0, n - 1)[..., None], axis=-1)[..., 0]
-    loss = lse - (1.0 - smoothing) * target
-    if z_loss:
-        loss = loss + z_loss * lse * lse
-    if smoothing:
-        loss = loss - smoothing * jnp.mean(x, axis=-1)
-    loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
+    loss = _row_loss(
+        lse,
+        _pick(x, labels),
+        lambda: jnp.mean(x, axis=-1),
+        labels,
+        n,
+        ignore_index=ignore_index,
+        smoothing=smoothing,
+        z_loss=z_loss,
+    )
     outs = [loss.astype(lse.dtype), lse]
     if grad:
         a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, operands[2])
@@ -170,15 +190,17 @@ def _forward_split(axes, count, *, ignore_index, smoothing, z_loss, softcap, gra
         lse = shift + jnp.log(jax.lax.psum(jnp.exp(lse_slice - shift), axes))
         x = _capped(logits, softcap)
         held = (here >= 0) & (here < width)
-        picked = jnp.take_along_axis(x, jnp.clip(here, 0, width - 1)[..., None], axis=-1)
-        target = jax.lax.psum(jnp.where(held, picked[..., 0], 0.0), axes)
-        loss = lse - (1.0 - smoothing) * target
-        if z_loss:
-            loss = loss + z_loss * lse * lse
-        if smoothing:
-            loss = loss - smoothing * jax.lax.psum(jnp.sum(x, axis=-1), axes) / n
-        inside = (labels >= 0) & (labels < n)
-        loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
+        target = jax.lax.psum(jnp.where(held, _pick(x, here), 0.0), axes)
+        loss = _row_loss(
+            lse,
+            target,
+            lambda: jax.lax.psum(jnp.sum(x, axis=-1), axes) / n,
+            labels,
+            n,
+            ignore_index=ignore_index,
+            smoothing=smoothing,
+            z_loss=z_loss,
+        )
         outs = [loss, lse]
         if grad:
             a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, weights[0])
