@@ -7,9 +7,10 @@
 
 Softmax kernels are listed as configs (``specs``) and built directly. The norm and
 cross-entropy kernels are built by lowering the benchmark's quack_jax functions (and the
-cases that the GPU test modules list in ``prebuild_cases()``) for an sm_90a CUDA device
-on this machine: lowering takes each kernel from the cache and compiles the missing ones,
-so exactly the kernels (variants, tilings) those functions launch get built.
+cases that the GPU test modules and ``sharded.py`` list in ``prebuild_cases()``) for an
+sm_90a CUDA device on this machine: lowering takes each kernel from the cache and
+compiles the missing ones, so exactly the kernels (variants, tilings) those functions
+launch get built.
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """
@@ -41,7 +42,8 @@ from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 
 ARCH = "sm_90a"
 LOWERED = ("rms_norm", "layer_norm", "cross_entropy")
-TEST_MODULES = ("test_gpu_norm", "test_gpu_cross_entropy")
+# modules whose prebuild_cases() list functions that the GPU runs launch kernels from
+CASE_MODULES = ("test_gpu_norm", "test_gpu_cross_entropy", "test_gpu_sharding", "sharded")
 
 
 def specs(tune: bool = False):
@@ -95,10 +97,10 @@ def tuning_lowerings(defaults, ops=LOWERED) -> list[Lowering]:
     return out
 
 
-def test_lowerings() -> list[Lowering]:
-    """``prebuild_cases()`` of the GPU test modules that lower through kernels."""
+def case_lowerings() -> list[Lowering]:
+    """``prebuild_cases()`` of the GPU test modules and scripts that list them."""
     out = []
-    for name in TEST_MODULES:
+    for name in CASE_MODULES:
         module = importlib.import_module(name)
         for i, (fn, args) in enumerate(module.prebuild_cases()):
             x = jax.tree.leaves(args)[0]
@@ -154,7 +156,7 @@ def build_lowered(tune=(), verbose: bool = True):
         defaults = {(op, dtype, tiling.n): tiling for op, dtype, tiling, _ in kernels}
         candidates = tuning_lowerings(defaults, tune)
         kernels += lower_for_cuda(candidates, "tuner candidates", ARCH, verbose)
-    kernels += lower_for_cuda(test_lowerings(), "GPU test cases", ARCH, verbose)
+    kernels += lower_for_cuda(case_lowerings(), "GPU test and script cases", ARCH, verbose)
     return list(dict.fromkeys(kernels))
 
 

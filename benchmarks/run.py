@@ -413,19 +413,19 @@ def make_inputs(arguments, count, seed):
     return [tuple(draw(k, *a) for k, a in zip(row, arguments, strict=True)) for row in keys]
 
 
+def input_count(op: Op, size: int, quick: bool = False) -> int:
+    """How many distinct inputs of ``size`` bytes (an (M, N) array) one timed call takes:
+    about TARGET_BYTES moved, within the memory budget."""
+    if quick:
+        return 10
+    most = MEMORY_BUDGET // (op.footprint * size)
+    return int(min(max(10, math.ceil(TARGET_BYTES / (2 * size))), most))
+
+
 def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
     e = ITEMSIZE[dtype]
     size = m * n * e
-    count = (
-        10
-        if quick
-        else int(
-            min(
-                max(10, math.ceil(TARGET_BYTES / (2 * size))),
-                MEMORY_BUDGET // (op.footprint * size),
-            )
-        )
-    )
+    count = input_count(op, size, quick)
     on_gpu = kernel_device()
     row = {"dtype": dtype, "m": m, "n": n, "k": count}
     words = make_inputs([((m, n * e // 4), "float32")], count, seed=m)

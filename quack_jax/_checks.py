@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,17 +35,3 @@ def axis_index(fn: str, axis, ndim: int) -> int:
     if not -ndim <= index < ndim:
         raise ValueError(f"{fn}: axis {axis} is out of range for an array of rank {ndim}")
     return index % ndim
-
-
-def whole_rows(fn: str, name: str, x):
-    """``x`` unless its last axis is sharded in its type (explicit sharding): each row is
-    reduced on one device, so a sharded last axis is an error that says what to do."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", ())
-    axes = spec[x.ndim - 1] if len(spec) >= x.ndim else None
-    if axes is not None:
-        raise ValueError(
-            f"{fn}: the last axis of {name} (the one reduced) is sharded over mesh axis "
-            f"{axes!r}; quack_jax keeps each row on one device: reshard {name} with that "
-            "axis replicated (jax.sharding.reshard), or shard the leading axes instead"
-        )
-    return x

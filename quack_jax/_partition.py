@@ -1,33 +1,61 @@
 """How XLA partitions a row-wise op under a sharded ``jit``: along the rows, and along
-the row only for ops that combine per-row partial statistics.
+each row by combining per-row partial statistics.
 
 Every operand and result of a row-wise primitive has one of three roles, relative to the
 first operand's shape ``(*lead, n)``: ``ROWS`` (that shape), ``STAT`` (one value per row,
 shape ``lead``) or ``VECTOR`` (shape ``(n,)``: weights as inputs, sums over all rows as
 results). The op is wrapped in ``jax.experimental.custom_partitioning`` with a Shardy
-sharding rule that keeps n whole (see below for the exception): where the leading dims
-are sharded, each device runs
-the op (kernel or XLA reference) on its own rows, ``VECTOR`` inputs are replicated and
-``VECTOR`` results are summed over the devices that split the rows (``psum`` of one
-length-n vector). No collective touches the activations.
+sharding rule: where the leading dims are sharded, each device runs the op (kernel or
+XLA reference) on its own rows, ``VECTOR`` inputs are replicated and ``VECTOR``
+results are summed over the devices that split the rows (``psum`` of one length-n
+vector). No collective touches the activations.
 
-An op may also take n split across devices (``split``: cross-entropy over a sharded
-vocabulary): each device then holds a slice of every row, and ``split(axes, count)``
-gives the per-device function, which combines per-row partial statistics over the mesh
-``axes`` that split n (``count`` devices). Other ops keep n whole: a sharded n is gathered
-first.
+An op may also take n split across devices (``split``): each device then holds a slice
+of every row (and of each ``VECTOR``), and ``split(row)`` gives the per-device function,
+which reduces over the row with ``row``'s methods (a ``Row`` over the mesh axes that
+split n): per-row partial statistics combined with ``pmax``/``psum``, never a gather.
+Where the mesh does not split n evenly, n is gathered first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 ROWS, STAT, VECTOR = "rows", "stat", "vector"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """Reductions over the last axis (keeping it, as size 1) of rows split over the mesh
+    ``axes`` into ``count`` slices, one per device; the default is a whole row."""
+
+    axes: tuple = ()
+    count: int = 1
+
+    def sum(self, v):
+        total = jnp.sum(v, axis=-1, keepdims=True)
+        return jax.lax.psum(total, self.axes) if self.axes else total
+
+    def max(self, v):
+        top = jnp.max(v, axis=-1, keepdims=True, initial=-jnp.inf)
+        return jax.lax.pmax(top, self.axes) if self.axes else top
+
+    def mean(self, v):
+        return self.sum(v) / (v.shape[-1] * self.count)
+
+    def start(self, width: int):
+        """The first column of this device's slice, of ``width`` columns."""
+        return jax.lax.axis_index(self.axes) * width if self.axes else 0
+
+
+WHOLE = Row()
 
 
 def role_aval(x, role: str, dtype=None):
@@ -37,7 +65,7 @@ def role_aval(x, role: str, dtype=None):
     shape, spec = {
         ROWS: (x.shape, spec),
         STAT: (x.shape[:-1], spec[:-1]),
-        VECTOR: (x.shape[-1:], (None,)),
+        VECTOR: (x.shape[-1:], spec[-1:]),
     }[role]
     return x.update(
         shape=shape,
@@ -83,14 +111,15 @@ def _dims_spec(mesh, sharding, aval) -> tuple:
 
 def _spec(role: str, lead: tuple, cols) -> PartitionSpec:
     return {ROWS: PartitionSpec(*lead, cols), STAT: PartitionSpec(*lead)}.get(
-        role, PartitionSpec(None)
+        role, PartitionSpec(cols)
     )
 
 
-def _local(aval, role: str, lead: tuple, cols, mesh):
+def _local(aval, role: str, lead: tuple, mesh):
+    """``aval``'s share on one device, with the rows split over ``lead`` and n whole."""
     if role == VECTOR:
         return aval
-    dims = (*lead, cols) if role == ROWS else lead
+    dims = (*lead, None) if role == ROWS else lead
     shape = tuple(size // _count(mesh, axes) for size, axes in zip(aval.shape, dims, strict=True))
     return jax.ShapeDtypeStruct(shape, aval.dtype)
 
@@ -101,11 +130,11 @@ def partitioned(
     avals_out,
     roles_in: Sequence[str],
     roles_out: Sequence[str],
-    split: Callable | None = None,
+    split: Callable,
 ):
     """A function of the operands that computes ``make(avals_in, avals_out)(*operands)``
-    and that XLA partitions along the rows, and with ``split`` along n too (see the module
-    docstring). ``make`` is called again with each device's share of the shapes."""
+    and that XLA partitions along the rows (``make`` is called again with each device's
+    share of the shapes) and along n (``split``; see the module docstring)."""
     lead_rank = len(avals_in[0].shape) - 1
     if lead_rank == 0:  # a single row: nothing to split
         return make(avals_in, avals_out)
@@ -116,7 +145,6 @@ def partitioned(
 
     def shardings(mesh, arg_shapes):
         *lead, cols = _dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])
-        cols = cols if split else None
         return (
             tuple(lead),
             cols,
@@ -130,11 +158,11 @@ def partitioned(
     def partition(mesh, arg_shapes, result_shape):
         lead, cols, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
         if cols is not None:
-            local = split(cols, _count(mesh, cols))
+            local = split(Row(_names(cols), _count(mesh, cols)))
         else:
             local = make(
-                [_local(a, r, lead, None, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
-                [_local(a, r, lead, None, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
+                [_local(a, r, lead, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
+                [_local(a, r, lead, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
             )
         axes = tuple(name for a in lead for name in _names(a))
 
@@ -149,15 +177,18 @@ def partitioned(
 
         return mesh, lower, tuple(out_shardings), tuple(arg_shardings)
 
-    if split:  # n may stay split; where no result has it, they are reduced over it
-        reduces = all(r != ROWS for r in roles_out)
-        factors = {"reduction_factors": ("n",)} if reduces else {}
-    else:
-        factors = {"need_replication_factors": ("n",)}
+    # where no result has n, the results are reduced over it (by ``split``'s collectives)
+    reduces = all(r != ROWS for r in roles_out)
+    factors = {"reduction_factors": ("n",)} if reduces else {}
     op.def_partition(
         partition,
         infer_sharding_from_operands=infer,
         sharding_rule=sharding_rule(roles_in, roles_out, lead_rank),
         **factors,
     )
+    explicit = avals_in[0].sharding.mesh.explicit_axes
+    if explicit:  # the rule decides the shardings; the results keep the types' shardings
+        return jax.sharding.auto_axes(
+            op, axes=explicit, out_sharding=tuple(a.sharding for a in avals_out)
+        )
     return op

@@ -126,9 +126,9 @@ class RowwisePrimitive:
     avals_out, **params)`` gives a function of the operands that computes them with
     kernels for ``target`` (see ``kernel_call``), or None to use the reference.
     ``roles(**params)`` gives the operands' and results' roles for partitioning (see
-    ``_partition``; default: all of the first operand's shape); ``split(axes, count,
-    **params)``, for an op that can take its rows split across devices, the per-device
-    function of a slice of n."""
+    ``_partition``; default: all of the first operand's shape). ``split(row, **params)``
+    gives the function of one device's slice of n (see ``_partition``); by default the
+    reference, which takes the ``Row`` to reduce over as ``row``."""
 
     def __init__(
         self,
@@ -155,7 +155,7 @@ class RowwisePrimitive:
         ad.primitive_jvps[p] = jvp or self._reference_jvp
         if transpose:
             ad.primitive_transposes[p] = transpose
-        self.roles, self.split = roles, split
+        self.roles, self.split = roles, split or self._split_reference
         # partitioning (custom_partitioning, at lowering) needs the device assignment
         dispatch.prim_requires_devices_during_lowering.add(p)
         mlir.register_lowering(p, functools.partial(self._lower, cuda=False))
@@ -166,6 +166,9 @@ class RowwisePrimitive:
 
     def _reference_outputs(self, *operands, **params):
         return list(self.reference(*operands, **params))
+
+    def _split_reference(self, row, **params):
+        return functools.partial(self._reference_outputs, row=row, **params)
 
     def _reference_jvp(self, primals, tangents, **params):
         tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
@@ -196,6 +199,6 @@ class RowwisePrimitive:
         roles_in, roles_out = (
             self.roles(**params) if self.roles else ((ROWS,) * n_in, (ROWS,) * n_out)
         )
-        split = self.split and functools.partial(self.split, **params)
+        split = functools.partial(self.split, **params)
         fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out, split)
         return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._checks import axis_index, float_array, whole_rows
+from ._checks import axis_index, float_array
 from ._partition import ROWS, STAT, role_aval
 from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling
 
@@ -166,16 +166,17 @@ _backward = RowwisePrimitive(
 # -- a vocabulary split across devices (a tensor-parallel LM head) -------------------
 
 
-def _forward_split(axes, count, *, ignore_index, smoothing, z_loss, softcap, grad):
-    """The forward on one device's slice of the vocabulary (``count`` slices over mesh
-    ``axes``): the slices' logsumexp combined with pmax and psum, the target logit from
-    the slice that holds it, then the loss. With ``grad``, the gradient comes from the
-    backward kernel on the slice, which needs the combined lse."""
+def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad):
+    """The forward on one device's slice of the vocabulary (``row``): the slices'
+    logsumexp combined with pmax and psum, the target logit from the slice that holds it,
+    then the loss. With ``grad``, the gradient comes from the backward kernel on the
+    slice, which needs the combined lse."""
+    axes = row.axes
 
     def local(logits, labels, *weights):
         width = logits.shape[-1]
-        n = width * count
-        here = labels - jax.lax.axis_index(axes) * width
+        n = width * row.count
+        here = labels - row.start(width)
         _, lse_slice = _forward.bind(
             logits,
             jnp.full_like(labels, ignore_index),
@@ -194,7 +195,7 @@ def _forward_split(axes, count, *, ignore_index, smoothing, z_loss, softcap, gra
         loss = _row_loss(
             lse,
             target,
-            lambda: jax.lax.psum(jnp.sum(x, axis=-1), axes) / n,
+            lambda: row.mean(x)[..., 0],
             labels,
             n,
             ignore_index=ignore_index,
@@ -210,11 +211,11 @@ def _forward_split(axes, count, *, ignore_index, smoothing, z_loss, softcap, gra
     return local
 
 
-def _backward_split(axes, count, *, softcap):
+def _backward_split(row, *, softcap):
     """The backward on one device's slice: the label's column counted from the slice."""
 
     def local(logits, labels, lse, a, b, c):
-        here = labels - jax.lax.axis_index(axes) * logits.shape[-1]
+        here = labels - row.start(logits.shape[-1])
         return _backward.bind(logits, here, lse, a, b, c, softcap=softcap)
 
     return local
@@ -381,7 +382,7 @@ def cross_entropy(
     kernel that reads the logits and writes their gradient in their dtype.
     """
     fn = "cross_entropy"
-    logits = whole_rows(fn, "logits", float_array(fn, "logits", logits))
+    logits = float_array(fn, "logits", logits)
     labels = _labels(fn, labels, logits.shape[:-1])
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(

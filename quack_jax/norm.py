@@ -4,7 +4,9 @@
 the backward needs (rstd, and mean for LayerNorm) in one pass. ``_backward`` computes dx
 from dy, h and the statistics, plus the weight and bias gradients from per-CTA partials
 of a persistent grid; no normalised copy of x is ever stored. ``jax.grad`` reaches them
-through a ``custom_vjp``.
+through a ``custom_vjp``. With the normalised axis split across devices (under a sharded
+``jit``), each device runs the XLA reference on its slice of the rows, with the rows'
+means ``psum``'d.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._checks import float_array, whole_rows
-from ._partition import ROWS, STAT, VECTOR, role_aval
+from ._checks import float_array
+from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval
 from ._primitive import RowwisePrimitive, Target, persistent_call, row_tiling
 
 
@@ -63,20 +65,21 @@ def _forward_abstract(x, *rest, rms, residual, out_dtype, **_):
     return outs + [stat] * (1 if rms else 2)
 
 
-def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, bias):
+def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, bias, row=WHOLE):
     res, w, b = _split(rest, residual, weight, bias)
     ct = _compute_dtype(x.dtype)
     h = x if res is None else (x.astype(ct) + res.astype(ct)).astype(x.dtype)
     h32 = h.astype(ct)
-    mean = jnp.zeros(h32.shape[:-1], ct) if rms else jnp.mean(h32, axis=-1)
-    centred = h32 - mean[..., None]
-    rstd = lax.rsqrt(jnp.mean(centred * centred, axis=-1) + jnp.asarray(eps, ct))
-    y = centred * rstd[..., None]
+    mean = jnp.zeros((*h32.shape[:-1], 1), ct) if rms else row.mean(h32)
+    centred = h32 - mean
+    rstd = lax.rsqrt(row.mean(centred * centred) + jnp.asarray(eps, ct))
+    y = centred * rstd
     if w is not None:
         y = y * (w.astype(ct) + jnp.asarray(offset, ct))
     if b is not None:
         y = y + b.astype(ct)
-    return [y.astype(out_dtype), *([h] if residual else []), rstd] + ([] if rms else [mean])
+    stats = [rstd[..., 0]] + ([] if rms else [mean[..., 0]])
+    return [y.astype(out_dtype), *([h] if residual else []), *stats]
 
 
 def forward_live(residual, weight, bias):
@@ -147,15 +150,15 @@ def _parameter_grads(dy, xhat, axes, weight_grad, bias_grad):
     return [jnp.sum(dy * xhat, axis=axes)] * weight_grad + [jnp.sum(dy, axis=axes)] * bias_grad
 
 
-def _reference_backward(dy, h, *rest, rms, offset, weight, dh, weight_grad, bias_grad):
+def _reference_backward(dy, h, *rest, rms, offset, weight, dh, weight_grad, bias_grad, row=WHOLE):
     w, dh_, rstd, mean = _split(rest, weight, dh) + ([None] if rms else [])
     ct = rstd.dtype
     xhat = _normalised(h, rstd, mean)
     dy = dy.astype(ct)
     g = dy if w is None else dy * (w.astype(ct) + jnp.asarray(offset, ct))
-    dx = g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True)
+    dx = g - xhat * row.mean(g * xhat)
     if not rms:
-        dx = dx - jnp.mean(g, axis=-1, keepdims=True)
+        dx = dx - row.mean(g)
     dx = dx * rstd[..., None]
     if dh_ is not None:
         dx = dx + dh_.astype(ct)
@@ -315,11 +318,11 @@ def _vector(fn: str, name: str, v, x):
 
 
 def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype):
-    x = whole_rows(fn, "x", float_array(fn, "x", x))
+    x = float_array(fn, "x", x)
     weight = _vector(fn, "weight", weight, x)
     bias = _vector(fn, "bias", bias, x)
     if residual is not None:
-        residual = whole_rows(fn, "residual", float_array(fn, "residual", residual))
+        residual = float_array(fn, "residual", residual)
         if residual.shape != x.shape:
             raise ValueError(f"{fn}: residual must have x's shape {x.shape}, got {residual.shape}")
         if residual.dtype != x.dtype:

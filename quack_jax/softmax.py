@@ -5,7 +5,9 @@ recomputes p = softmax(x) from x in registers: for softmax ``p * (t - sum(t * p)
 which is its own transpose; for log-softmax the forward-mode form ``t - sum(p * t)`` and
 its transpose ``t - p * sum(t)``. ``jax.grad`` therefore runs one derivative kernel that
 reads x and the cotangent and writes the gradient, plus the forward kernel only where the
-forward output is used; ``jax.jvp`` likewise.
+forward output is used; ``jax.jvp`` likewise. With the softmax axis split across devices
+(under a sharded ``jit``), each device runs the XLA reference on its slice of the rows,
+with the rows' max and sums combined by ``pmax``/``psum``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from ._checks import axis_index, float_array, whole_rows
+from ._checks import axis_index, float_array
+from ._partition import WHOLE
 from ._primitive import RowwisePrimitive, kernel_call, row_tiling
 
 _KERNEL_OPS = {"softmax": "softmax_bwd", "log_vjp": "log_softmax_bwd", "log_jvp": "log_softmax_jvp"}
@@ -26,20 +29,23 @@ def _compute_dtype(x):
     return jnp.promote_types(x.dtype, jnp.float32)
 
 
-def _reference_forward(x, *, log: bool):
+def _reference_forward(x, *, log: bool, row=WHOLE):
     x32 = x.astype(_compute_dtype(x))
-    return ((jax.nn.log_softmax(x32) if log else jax.nn.softmax(x32)).astype(x.dtype),)
+    shifted = x32 - jax.lax.stop_gradient(row.max(x32))
+    total = row.sum(jnp.exp(shifted))
+    y = shifted - jnp.log(total) if log else jnp.exp(shifted) / total
+    return (y.astype(x.dtype),)
 
 
-def _reference_derivative(t, x, *, kind: str):
+def _reference_derivative(t, x, *, kind: str, row=WHOLE):
     t32 = t.astype(_compute_dtype(t))
-    p = jax.nn.softmax(x.astype(t32.dtype))
+    (p,) = _reference_forward(x.astype(t32.dtype), log=False, row=row)
     if kind == "softmax":
-        out = p * (t32 - jnp.sum(t32 * p, axis=-1, keepdims=True))
+        out = p * (t32 - row.sum(t32 * p))
     elif kind == "log_vjp":
-        out = t32 - p * jnp.sum(t32, axis=-1, keepdims=True)
+        out = t32 - p * row.sum(t32)
     else:
-        out = t32 - jnp.sum(p * t32, axis=-1, keepdims=True)
+        out = t32 - row.sum(p * t32)
     return (out.astype(t.dtype),)
 
 
@@ -84,8 +90,8 @@ def _apply(fn: str, x, axis, log: bool):
     x = float_array(fn, "x", x)
     axis = axis_index(fn, axis, x.ndim)
     if axis == x.ndim - 1:
-        return _forward.bind(whole_rows(fn, "x", x), log=log)[0]
-    rows = whole_rows(fn, "x", jnp.moveaxis(x, axis, -1))
+        return _forward.bind(x, log=log)[0]
+    rows = jnp.moveaxis(x, axis, -1)
     return jnp.moveaxis(_forward.bind(rows, log=log)[0], -1, axis)
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import quack_jax
 from quack_jax import _ffi
 
 SEED = int.from_bytes(os.urandom(4), "little")
@@ -51,3 +52,36 @@ def run_kernels(f, *args, launches):
     lowered = jax.jit(f).lower(*args)
     assert lowered.as_text().count(f"custom_call @{_ffi.TARGET}") == launches
     return lowered.compile()(*args)
+
+
+def sharding_losses(n):
+    """name -> loss of (x, weight, labels) for rows of length ``n``: every public op and its
+    gradient, with the options that change which kernels run (the sharding tests)."""
+    coords = jnp.linspace(-1.0, 1.0, n)
+
+    def norm(fn, **kw):
+        def loss(x, w, labels):
+            y = fn(x, w, **kw)
+            y, h = y if kw.get("prenorm") else (y, x)
+            return jnp.sum(y * coords) + 0.5 * jnp.sum(jnp.square(h.astype(jnp.float32)))
+
+        return loss
+
+    def ce(**kw):
+        def loss(x, w, labels):
+            out = quack_jax.cross_entropy(x, labels, **kw)
+            return jnp.sum(out[0] + out[1]) if kw.get("return_lse") else jnp.sum(out)
+
+        return loss
+
+    return {
+        "softmax": lambda x, w, labels: jnp.sum(quack_jax.softmax(x) * coords),
+        "log_softmax": lambda x, w, labels: jnp.sum(quack_jax.log_softmax(x) * coords),
+        "rms_norm": norm(quack_jax.rms_norm),
+        "rms_norm_residual": norm(
+            lambda x, w, **kw: quack_jax.rms_norm(x, w, residual=x * 0.5, **kw), prenorm=True
+        ),
+        "layer_norm": norm(lambda x, w: quack_jax.layer_norm(x, w, w * 0.1)),
+        "cross_entropy_mean": ce(label_smoothing=0.1),
+        "cross_entropy_rows": ce(reduction="none", return_lse=True, z_loss=1e-3),
+    }
