@@ -131,17 +131,22 @@ def partitioned(
     roles_in: Sequence[str],
     roles_out: Sequence[str],
     split: Callable,
+    body: Callable | None = None,
 ):
     """A function of the operands that computes ``make(avals_in, avals_out)(*operands)``
     and that XLA partitions along the rows (``make`` is called again with each device's
-    share of the shapes) and along n (``split``; see the module docstring)."""
+    share of the shapes) and along n (``split``; see the module docstring). ``body``, if
+    given, is the function of the whole operands in the partitioned call instead: under a
+    jit over several devices XLA runs the per-device functions, and the body only gives
+    the results' types, so it need not launch kernels for the global shapes."""
     lead_rank = len(avals_in[0].shape) - 1
     if lead_rank == 0:  # a single row: nothing to split
         return make(avals_in, avals_out)
+    whole = body or make(avals_in, avals_out)
 
     @custom_partitioning
     def op(*operands):
-        return tuple(make(avals_in, avals_out)(*operands))
+        return tuple(whole(*operands))
 
     def shardings(mesh, arg_shapes):
         *lead, cols = _dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])

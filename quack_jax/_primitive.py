@@ -200,5 +200,8 @@ class RowwisePrimitive:
             self.roles(**params) if self.roles else ((ROWS,) * n_in, (ROWS,) * n_out)
         )
         split = functools.partial(self.split, **params)
-        fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out, split)
+        # over several devices, the partitioned call's global body is never run
+        devices = getattr(ctx.module_context.axis_context, "num_devices", 1)
+        body = functools.partial(self._reference_outputs, **params) if devices > 1 else None
+        fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out, split, body)
         return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)

@@ -5,7 +5,9 @@ With the rows split, each GPU runs the kernels on its rows, so the results are t
 bits as on one GPU (the weight gradient is summed in another order). With the reduced
 axis split, cross-entropy runs its kernels on each GPU's slice of the vocabulary and
 softmax and the norms run the XLA reference on theirs; the results agree to the dtype's
-tolerance. Neither moves rows between the GPUs.
+tolerance (XLA on the GPU keeps excess precision inside its fusions: it drops the
+rounding of the bfloat16 cotangent that the kernels read from memory, which moves the
+norms' weight gradient by up to a bfloat16 rounding). Neither moves rows between the GPUs.
 """
 
 import jax
@@ -87,13 +89,13 @@ def test_two_gpus_match_one(op, dtype, split):
     assert gx.sharding.spec == specs[0]
     gx, rgx, gw, rgw = (np.asarray(a, np.float64) for a in (gx, rgx, gw, rgw))
     # the loss sums ~10^7 terms in another order; in bfloat16 with the reduced axis split,
-    # also the rare y that rounds the other way from XLA's float32 math than the kernel's
+    # XLA also multiplies y unrounded (excess precision), the kernels' y is rounded
     bf16_split = dtype == "bfloat16" and not rows
-    np.testing.assert_allclose(
-        value, ref, rtol=1e-3 if bf16_split else 1e-4, atol=4.0 if bf16_split else 1e-2
-    )
+    np.testing.assert_allclose(value, ref, rtol=TOL[dtype] if bf16_split else 1e-4, atol=1e-2)
     if rows:
         np.testing.assert_array_equal(gx, rgx)
-    else:
-        np.testing.assert_allclose(gx, rgx, rtol=TOL[dtype], atol=TOL[dtype] * np.abs(rgx).max())
-    np.testing.assert_allclose(gw, rgw, rtol=1e-4, atol=1e-4 * np.abs(rgw).max())
+    else:  # atol: elements that cancel (log-softmax's t - p * sum(t))
+        tol = TOL[dtype]
+        np.testing.assert_allclose(gx, rgx, rtol=tol, atol=10 * tol * np.abs(rgx).max())
+    tol = 1e-4 if rows else TOL[dtype]
+    np.testing.assert_allclose(gw, rgw, rtol=tol, atol=tol * np.abs(rgw).max())
