@@ -7,10 +7,10 @@
 
 Softmax kernels are listed as configs (``specs``) and built directly. The norm and
 cross-entropy kernels are built by lowering the benchmark's quack_jax functions (and the
-cases that the GPU test modules and ``sharded.py`` list in ``prebuild_cases()``) for an
-sm_90a CUDA device on this machine: lowering takes each kernel from the cache and
-compiles the missing ones, so exactly the kernels (variants, tilings) those functions
-launch get built.
+cases that the GPU test modules, ``sharded.py`` and ``train_lm.py`` list in
+``prebuild_cases()``) for an sm_90a CUDA device on this machine: lowering takes each
+kernel from the cache and compiles the missing ones, so exactly the kernels (variants,
+tilings) those functions launch get built.
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """
@@ -43,7 +43,13 @@ from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 ARCH = "sm_90a"
 LOWERED = ("rms_norm", "layer_norm", "cross_entropy")
 # modules whose prebuild_cases() list functions that the GPU runs launch kernels from
-CASE_MODULES = ("test_gpu_norm", "test_gpu_cross_entropy", "test_gpu_sharding", "sharded")
+CASE_MODULES = (
+    "test_gpu_norm",
+    "test_gpu_cross_entropy",
+    "test_gpu_sharding",
+    "sharded",
+    "train_lm",
+)
 
 
 def specs(tune: bool = False):

@@ -1,0 +1,524 @@
+"""Train a decoder-only language model (flax.nnx) twice from the same seed on the same
+batches: with stock Flax/optax layers and with quack_jax's, and compare the loss curves,
+the step time, tokens/s and the peak device memory.
+
+    python benchmarks/train_lm.py --config tiny --steps 20 --out DIR   # CPU, < 1 minute
+    python benchmarks/train_lm.py --config h200 --steps 200 --out DIR  # one H200
+    python benchmarks/train_lm.py --config h200 --devices 2 --out DIR  # data parallel
+    python benchmarks/train_lm.py --config h200 --devices 2 --vocab-parallel 2 --out DIR
+
+The model: token embedding, pre-norm blocks (RMSNorm, causal softmax attention in plain
+JAX, RMSNorm, GELU MLP), a final RMSNorm and an untied LM head; bfloat16 activations,
+float32 parameters, AdamW. The two variants share every line but three: the norm class
+(``flax.nnx.RMSNorm`` or ``quack_jax.flax.nnx.RMSNorm``), the attention softmax
+(``jax.nn.softmax`` in float32 or ``quack_jax.softmax``) and the loss (optax's
+``softmax_cross_entropy_with_integer_labels`` on float32 logits, or
+``quack_jax.cross_entropy`` on the bfloat16 logits).
+
+The data is Python's own standard library source (the ``.py`` files of the running
+interpreter's stdlib, nothing downloaded), tokenised by a word-level tokenizer built from
+that text: the 256 bytes plus its most frequent pieces (words with their leading space,
+runs of punctuation, runs of whitespace) up to the vocabulary size; a piece outside the
+vocabulary is spelled in bytes. Batches are random windows, the same for both variants.
+
+Each variant runs in its own process (so its peak memory is its own); the parent writes
+``train_<config>.json`` (per-step loss and time, tokens/s, peak memory) and
+``train_<config>.png`` (both loss curves, step times). ``--profile`` also traces a few
+steps of each variant in one more process (with XLA's command buffers off, so that each
+kernel is tied to its instruction) and reports the device time of each part of the model
+(by ``jax.named_scope``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import os
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+import numpy as np
+
+VARIANTS = ("stock", "quack")
+WARMUP = 5  # steps left out of the step time: compilation and the first launches
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int
+    d: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int  # sequences per step, over all devices
+    lr: float
+    corpus_mb: float | None = None  # read only this much of the stdlib (None: all)
+
+
+CONFIGS = {
+    "tiny": Config(vocab=2048, d=64, layers=2, heads=4, seq=64, batch=8, lr=3e-3, corpus_mb=1),
+    "h200": Config(vocab=131072, d=2048, layers=4, heads=16, seq=1024, batch=8, lr=3e-4),
+}
+
+
+# -- data -------------------------------------------------------------------------------
+
+PIECE = re.compile(r" ?\w+| ?[^\s\w]+|\s+")
+
+
+def corpus(limit_mb: float | None) -> str:
+    """The .py files of this interpreter's standard library, in path order."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        f for f in root.rglob("*.py") if not {"site-packages", "dist-packages"} & set(f.parts)
+    )
+    texts, size = [], 0
+    for f in files:
+        text = f.read_text(encoding="utf-8", errors="replace")
+        texts.append(text)
+        size += len(text)
+        if limit_mb is not None and size >= limit_mb * 1e6:
+            break
+    return "\n\n".join(texts)
+
+
+def tokenize(text: str, vocab: int) -> tuple[np.ndarray, int]:
+    """Token ids of ``text`` and how many of the vocabulary's ids are pieces (after the 256
+    bytes): the most frequent pieces, ties broken by the piece, fill the vocabulary."""
+    pieces = PIECE.findall(text)
+    counts = collections.Counter(pieces)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    table = {p: 256 + i for i, (p, _) in enumerate(ranked[: vocab - 256])}
+    ids = []
+    for p in pieces:
+        i = table.get(p)
+        if i is None:
+            ids.extend(p.encode("utf-8"))
+        else:
+            ids.append(i)
+    return np.asarray(ids, np.int32), len(table)
+
+
+def cached_tokens(cfg: Config) -> tuple[np.ndarray, int]:
+    """``tokenize(corpus(...))``, kept in the temporary folder for the next run."""
+    key = f"{sys.version_info[0]}.{sys.version_info[1]}-{cfg.vocab}-{cfg.corpus_mb}"
+    path = pathlib.Path(tempfile.gettempdir()) / f"quack_jax_train_tokens-{key}.npz"
+    if path.exists():
+        saved = np.load(path)
+        return saved["tokens"], int(saved["pieces"])
+    tokens, pieces = tokenize(corpus(cfg.corpus_mb), cfg.vocab)
+    np.savez(path, tokens=tokens, pieces=pieces)
+    return tokens, pieces
+
+
+def batches(tokens: np.ndarray, cfg: Config, steps: int, seed: int):
+    """(inputs, targets) of shape (batch, seq) for each step: random windows."""
+    rng = np.random.default_rng(seed)
+    span = np.arange(cfg.seq + 1)
+    for _ in range(steps):
+        starts = rng.integers(0, len(tokens) - cfg.seq - 1, cfg.batch)
+        window = tokens[starts[:, None] + span]
+        yield window[:, :-1], window[:, 1:]
+
+
+# -- model ------------------------------------------------------------------------------
+
+
+def build(cfg: Config, variant: str):
+    """A function of the seed that makes the model, and the loss function, for ``variant``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import quack_jax
+    from quack_jax.flax import nnx as qnnx
+
+    quack = variant == "quack"
+    norm_cls = qnnx.RMSNorm if quack else nnx.RMSNorm
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    init = nnx.initializers.normal(0.02)
+
+    def softmax(s):
+        return quack_jax.softmax(s) if quack else jax.nn.softmax(s.astype(f32)).astype(bf16)
+
+    def loss_of(logits, targets):
+        if quack:
+            return quack_jax.cross_entropy(logits, targets)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(f32), targets)
+        return jnp.mean(losses)
+
+    def linear(i, o, rngs):
+        return nnx.Linear(
+            i, o, use_bias=False, dtype=bf16, param_dtype=f32, kernel_init=init, rngs=rngs
+        )
+
+    def norm(rngs):
+        return norm_cls(cfg.d, epsilon=1e-6, dtype=bf16, param_dtype=f32, rngs=rngs)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm1, self.norm2 = norm(rngs), norm(rngs)
+            self.qkv, self.out = linear(cfg.d, 3 * cfg.d, rngs), linear(cfg.d, cfg.d, rngs)
+            self.up, self.down = linear(cfg.d, 4 * cfg.d, rngs), linear(4 * cfg.d, cfg.d, rngs)
+
+        def __call__(self, h):
+            b, t, _ = h.shape
+            with jax.named_scope("norm"):
+                x = self.norm1(h)
+            with jax.named_scope("attention"):
+                q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * cfg.heads, -1), 3, axis=2)
+                s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
+                s = jnp.where(jnp.tri(t, dtype=bool), s, -jnp.inf)
+            with jax.named_scope("softmax"):
+                p = softmax(s)
+            with jax.named_scope("attention"):
+                a = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, cfg.d)
+                h = h + self.out(a)
+            with jax.named_scope("norm"):
+                x = self.norm2(h)
+            with jax.named_scope("mlp"):
+                return h + self.down(jax.nn.gelu(self.up(x)))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(
+                cfg.vocab, cfg.d, dtype=bf16, param_dtype=f32, embedding_init=init, rngs=rngs
+            )
+            self.blocks = nnx.List([Block(rngs) for _ in range(cfg.layers)])
+            self.norm = norm(rngs)
+            self.head = linear(cfg.d, cfg.vocab, rngs)
+
+        def __call__(self, tokens):
+            h = self.embed(tokens)
+            for block in self.blocks:
+                h = block(h)
+            with jax.named_scope("norm"):
+                x = self.norm(h)
+            with jax.named_scope("lm_head"):
+                return self.head(x)
+
+    def make(seed):
+        return LM(nnx.Rngs(seed))
+
+    def loss_fn(params, graphdef, inputs, targets):
+        logits = nnx.merge(graphdef, params)(inputs)
+        with jax.named_scope("cross_entropy"):
+            return loss_of(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
+
+    return make, loss_fn
+
+
+def prebuild_cases():
+    """The quack_jax variant's gradient at the h200 config (abstract: no parameters are
+    made), for ``prebuild.py``: its kernels are the ones the training run launches."""
+    import jax
+    from flax import nnx
+
+    import quack_jax
+
+    cfg = CONFIGS["h200"]
+    make, loss_fn = build(cfg, "quack")
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: make(0)), nnx.Param)
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), "int32")
+
+    def grad(params, inputs, targets):
+        return jax.grad(loss_fn)(params, graphdef, inputs, targets)
+
+    yield grad, (params, tokens, tokens)
+    # --vocab-parallel 2: each device's slice of the logits goes through the per-row
+    # forward (its lse) and the backward kernels
+    half = jax.ShapeDtypeStruct((cfg.batch * cfg.seq, cfg.vocab // 2), "bfloat16")
+    labels = jax.ShapeDtypeStruct((cfg.batch * cfg.seq,), "int32")
+    per_row = jax.grad(lambda x, y: quack_jax.cross_entropy(x, y, reduction="none").sum())
+    yield per_row, (half, labels)
+
+
+def train(
+    cfg: Config,
+    variant: str,
+    steps: int,
+    devices: int,
+    seed: int,
+    vocab_parallel=1,
+    profile_dir=None,
+):
+    """Train one variant on ``devices`` devices: data parallel, with the LM head (and so
+    the logits) split by vocabulary over ``vocab_parallel`` of them. Returns the record
+    (per-step loss and seconds, peak memory)."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    import quack_jax
+    from quack_jax._primitive import KERNEL_ARCHS
+
+    make, loss_fn = build(cfg, variant)
+    graphdef, params = nnx.split(make(seed), nnx.Param)
+    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, cfg.lr, 20, max(steps, 21)))
+    mesh = jax.make_mesh(
+        (devices // vocab_parallel, vocab_parallel),
+        ("data", "model"),
+        axis_types=(AxisType.Auto,) * 2,
+        devices=jax.devices()[:devices],
+    )
+    by_rows = NamedSharding(mesh, PartitionSpec("data"))
+
+    def placement(path, _):
+        head = any(getattr(k, "key", None) == "head" for k in path)
+        return NamedSharding(mesh, PartitionSpec(None, "model") if head else PartitionSpec())
+
+    params = jax.device_put(params, jax.tree_util.tree_map_with_path(placement, params))
+    opt_state = jax.jit(tx.init)(params)
+
+    @jax.jit(donate_argnums=(0, 1))
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, inputs, targets)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    tokens, pieces = cached_tokens(cfg)
+    losses, seconds = [], []
+    bar = Progress(steps, variant)
+    for inputs, targets in batches(tokens, cfg, steps, seed):
+        inputs, targets = (jax.device_put(a, by_rows) for a in (inputs, targets))
+        start = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, inputs, targets)
+        losses.append(float(loss))
+        seconds.append(time.perf_counter() - start)
+        bar.update(losses[-1], cfg.batch * cfg.seq / seconds[-1])
+    bar.close()
+    shares = None
+    if profile_dir is not None:
+        state = [params, opt_state]
+
+        def one_step():
+            state[0], state[1], loss = step(*state, inputs, targets)
+            return loss
+
+        text = step.lower(*state, inputs, targets).compile().as_text()
+        shares = profile(one_step, text, profile_dir)
+    stats = [d.memory_stats() or {} for d in jax.devices()[:devices]]
+    steady = seconds[WARMUP:] or seconds
+    return dict(
+        variant=variant,
+        device=f"{devices} x {jax.devices()[0].device_kind}",
+        mesh=dict(mesh.shape),
+        kernels=jax.devices()[0].platform == "gpu"
+        and getattr(jax.devices()[0], "compute_capability", "") in KERNEL_ARCHS,
+        jax=jax.__version__,
+        quack_jax=quack_jax.__version__,
+        corpus_tokens=len(tokens),
+        vocab_pieces=pieces,
+        loss=losses,
+        seconds=seconds,
+        step_seconds=statistics.median(steady),
+        tokens_per_s=cfg.batch * cfg.seq / statistics.median(steady),
+        peak_bytes=max((s.get("peak_bytes_in_use", 0) for s in stats), default=None) or None,
+        profile=shares,
+    )
+
+
+class Progress:
+    """One line: a bar, the step, the loss and tokens/s, redrawn in place."""
+
+    def __init__(self, total: int, label: str, width: int = 30):
+        self.total, self.label, self.width, self.done = total, label, width, 0
+
+    def update(self, loss: float, tokens_per_s: float):
+        self.done += 1
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "." * (self.width - filled)
+        print(
+            f"\r{self.label:6s} [{bar}] {self.done}/{self.total} loss {loss:.4f} "
+            f"{tokens_per_s:,.0f} tok/s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self):
+        print(file=sys.stderr, flush=True)
+
+
+# -- profile ----------------------------------------------------------------------------
+
+SCOPES = ("softmax", "cross_entropy", "norm", "attention", "mlp", "lm_head", "optimizer")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*metadata=\{[^}]*op_name=\"([^\"]+)\"")
+
+
+def scope_of(op_name: str) -> str:
+    """The innermost of SCOPES in a JAX op name path (the backward pass keeps the
+    forward's scopes), or "other"."""
+    found = [w for w in re.findall(r"[A-Za-z_]+", op_name) if w in SCOPES]
+    return found[-1] if found else "other"
+
+
+def profile(one_step, compiled_text: str, log_dir, steps: int = 3) -> dict:
+    """Device time per model part over ``steps`` steps, from a JAX profiler trace: each
+    device event's HLO instruction is looked up in the compiled program for its op name."""
+    import jax
+
+    scopes = {}
+    for m in map(INSTRUCTION.match, compiled_text.splitlines()):
+        if m:  # kernels are named after their instruction, with "_" for "."
+            scopes[m.group(1)] = scopes[m.group(1).replace(".", "_")] = scope_of(m.group(2))
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        jax.block_until_ready([one_step() for _ in range(steps)])
+    (path,) = pathlib.Path(log_dir).rglob("*perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes = {
+        e.get("pid"): e["args"].get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    gpus = {pid for pid, name in processes.items() if name.startswith("/device:GPU")}
+    timed = [
+        e
+        for e in events
+        if e.get("ph") == "X" and (e.get("pid") in gpus if gpus else "hlo_op" in e.get("args", {}))
+    ]
+    totals = collections.Counter()
+    for e in timed:
+        args = e.get("args", {})
+        names = (args.get("hlo_op"), e.get("name"), args.get("long_name", "").split(" = ")[0])
+        part = next((scopes[n] for n in names if n in scopes), scope_of(args.get("tf_op", "")))
+        totals[part] += e.get("dur", 0.0)
+    whole = sum(totals.values()) or 1.0
+    busy = max(len({e.get("pid") for e in timed}), 1)  # devices that ran the steps
+    return {k: dict(us_per_step=v / steps / busy, share=v / whole) for k, v in totals.most_common()}
+
+
+# -- driver -----------------------------------------------------------------------------
+
+
+def plot(records: dict, cfg_name: str, path: pathlib.Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for variant, r in records.items():
+        label = f"{variant} ({r['tokens_per_s']:,.0f} tok/s)"
+        ax1.plot(r["loss"], label=label, alpha=0.8)
+        ax2.plot(np.asarray(r["seconds"][WARMUP:]) * 1e3, label=variant, alpha=0.8)
+    first = next(iter(records.values()))
+    ax1.set(xlabel="step", ylabel="train loss", title=f"{cfg_name}: {first['device']}")
+    ax2.set(xlabel=f"step (after {WARMUP})", ylabel="step time (ms)", title="step time")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(records: dict) -> str:
+    lines = [
+        "| variant | step (ms) | tokens/s | peak memory (GiB) | final loss |",
+        "|---|---|---|---|---|",
+    ]
+    for v, r in records.items():
+        peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
+        lines.append(
+            f"| {v} | {1e3 * r['step_seconds']:.2f} | {r['tokens_per_s']:,.0f} | {peak} | "
+            f"{r['loss'][-1]:.4f} |"
+        )
+    if {"stock", "quack"} <= records.keys():
+        speedup = records["stock"]["step_seconds"] / records["quack"]["step_seconds"]
+        lines.append(f"\nquack_jax over stock: {speedup:.3f}x step time")
+    profiled = {v: r["profile"] for v, r in records.items() if r["profile"]}
+    if profiled:
+        lines += ["", "Device time per step by model part, ms (share of the step):", ""]
+        lines += ["| part | " + " | ".join(profiled) + " |", "|---" * (len(profiled) + 1) + "|"]
+        for part in (*SCOPES, "other"):
+            cells = [
+                f"{p[part]['us_per_step'] / 1e3:.2f} ({100 * p[part]['share']:.1f}%)"
+                if part in p
+                else "-"
+                for p in profiled.values()
+            ]
+            lines.append(f"| {part} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_child(args, variant: str, steps: int, extra=(), **env) -> dict:
+    """Train ``variant`` in a process of its own; returns its record."""
+    record = args.out / f".train_{args.config}_{variant}.json"
+    child = [sys.executable, __file__, "--record", str(record), "--variants", variant]
+    child += ["--config", args.config, "--steps", str(steps)]
+    child += ["--devices", str(args.devices), "--vocab-parallel", str(args.vocab_parallel)]
+    child += ["--seed", str(args.seed), *extra]
+    subprocess.run(child, check=True, env=os.environ | env)
+    result = json.loads(record.read_text())
+    record.unlink()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", choices=list(CONFIGS), default="tiny")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--devices", type=int, default=1, help="data parallel over this many")
+    parser.add_argument(
+        "--vocab-parallel", type=int, default=1, help="split the LM head over this many"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
+    parser.add_argument("--profile", action="store_true", help="trace a few steps per variant")
+    parser.add_argument("--record", type=pathlib.Path, help=argparse.SUPPRESS)  # a child run
+    args = parser.parse_args(argv)
+    cfg = CONFIGS[args.config]
+    if args.record:
+        (variant,) = args.variants
+        profile_dir = tempfile.mkdtemp() if args.profile else None
+        result = train(
+            cfg, variant, args.steps, args.devices, args.seed, args.vocab_parallel, profile_dir
+        )
+        args.record.write_text(json.dumps(result))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = {}
+    for variant in args.variants:
+        records[variant] = run_child(args, variant, args.steps)
+        if args.profile:  # traced apart, without XLA's command buffers (CUDA graphs), whose
+            # kernels the trace cannot tie to the program's instructions
+            flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+            traced = run_child(args, variant, WARMUP, ["--profile"], XLA_FLAGS=flags.strip())
+            records[variant]["profile"] = traced["profile"]
+    first = next(iter(records.values()))
+    where = (
+        "quack_jax kernels" if first["kernels"] else "no sm_90 GPU: quack_jax ran its XLA fallback"
+    )
+    text = (
+        f"config {args.config} {cfg}, {args.steps} steps, {first['device']} ({where}), "
+        f"mesh {first['mesh']}, "
+        f"jax {first['jax']}\n\n{summary(records)}"
+    )
+    print(text)
+    name = f"train_{args.config}" + (f"_x{args.devices}" if args.devices > 1 else "")
+    name += f"_vp{args.vocab_parallel}" if args.vocab_parallel > 1 else ""
+    meta = dict(config=args.config, params=dataclasses.asdict(cfg), steps=args.steps)
+    (args.out / f"{name}.json").write_text(json.dumps(meta | dict(runs=records), indent=1))
+    (args.out / f"{name}.md").write_text(text + "\n")
+    plot(records, args.config, args.out / f"{name}.png")
+
+
+if __name__ == "__main__":
+    main()
