@@ -5,15 +5,20 @@ cubins and launched through an XLA FFI custom call; everywhere else they run an 
 reference with the same semantics.
 """
 
+from . import _ffi, export
 from ._cache import MissingKernelError
 from .cross_entropy import cross_entropy, softmax_cross_entropy_with_integer_labels
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
+if _ffi.LIBRARY.exists():  # so that deserialised exports find the launcher
+    _ffi.register_target()
+
 __version__ = "0.1.0"
 __all__ = [
     "MissingKernelError",
     "cross_entropy",
+    "export",
     "layer_norm",
     "log_softmax",
     "rms_norm",

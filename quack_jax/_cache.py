@@ -8,8 +8,12 @@ atomically (temporary file, then rename), and checked against their SHA-256 when
 so concurrent writers and torn files are both harmless.
 
 The folder is ``$QUACK_JAX_CACHE``, else ``$XDG_CACHE_HOME/quack_jax``, else
-``~/.cache/quack_jax``. On a miss the kernel is compiled with CuTe-DSL, imported only
-then; without CuTe-DSL a miss is an error that names the config and the build command.
+``~/.cache/quack_jax``; where it cannot be written (read-only, or not a folder), new
+entries go to a folder in the temporary directory instead, with a warning. Lookups also
+read the cubins packaged with quack_jax (``quack_jax/cubins``, built for the common
+configurations when the wheel is made). On a miss the kernel is compiled with CuTe-DSL,
+imported only then; without CuTe-DSL a miss is an error that names the config and the
+build command.
 """
 
 from __future__ import annotations
@@ -77,11 +81,24 @@ def cubin_registers(cubin: bytes) -> int:
     return 0
 
 
+PACKAGED = pathlib.Path(__file__).with_name("cubins")
+
+
 def cache_dir() -> pathlib.Path:
     if path := os.environ.get("QUACK_JAX_CACHE"):
         return pathlib.Path(path)
     base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
     return pathlib.Path(base) / "quack_jax"
+
+
+def fallback_dir() -> pathlib.Path:
+    """Where entries go when the cache folder cannot be written."""
+    return pathlib.Path(tempfile.gettempdir()) / f"quack_jax-{os.getuid()}"
+
+
+def search_dirs() -> list[pathlib.Path]:
+    """The folders a lookup reads, in order."""
+    return [cache_dir(), fallback_dir(), PACKAGED]
 
 
 def dsl_version() -> str | None:
@@ -144,7 +161,9 @@ def _read(path: pathlib.Path, op: str) -> CubinKernel | None:
         return None
 
 
-def _write(path: pathlib.Path, kernel: CubinKernel, version: str) -> None:
+def _write(name: str, kernel: CubinKernel, version: str) -> None:
+    """Store an entry in the cache folder, or where that cannot be written, in the
+    fallback folder (with a warning)."""
     entry = {
         "symbol": kernel.symbol,
         "smem_bytes": kernel.smem_bytes,
@@ -153,14 +172,27 @@ def _write(path: pathlib.Path, kernel: CubinKernel, version: str) -> None:
         "cubin": base64.b64encode(kernel.cubin).decode(),
     }
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(entry, f)
-        os.replace(f.name, path)
+        _write_atomic(cache_dir() / name, entry)
     except OSError as e:
+        fallback = fallback_dir()
         warnings.warn(
-            f"quack_jax: cannot write the kernel cache at {path.parent}: {e}", stacklevel=3
+            f"quack_jax: cannot write the kernel cache at {cache_dir()} ({e}); "
+            f"using {fallback} instead (set QUACK_JAX_CACHE to a writable folder)",
+            stacklevel=3,
         )
+        try:
+            _write_atomic(fallback / name, entry)
+        except OSError as e2:
+            warnings.warn(f"quack_jax: cannot write {fallback} either ({e2})", stacklevel=3)
+
+
+def _write_atomic(path: pathlib.Path, entry: dict) -> None:
+    """Write a temporary file beside ``path``, then rename it over ``path``: readers see
+    the old entry or the new one, never a part of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(entry, f)
+    os.replace(f.name, path)
 
 
 def get_kernel(
@@ -172,19 +204,20 @@ def get_kernel(
         if key in _memory:
             return _memory[key]
         stem = entry_stem(op, dtype, tiling, arch, variant)
-        folder = cache_dir()
         version = dsl_version()
         # Without CuTe-DSL any build of these sources will do; with it, only its own.
         pattern = f"{stem}-dsl{version}.json" if version else f"{stem}-dsl*.json"
-        for path in sorted(folder.glob(pattern)):
-            if kernel := _read(path, op):
-                _memory[key] = kernel
-                return kernel
+        for folder in search_dirs():
+            for path in sorted(folder.glob(pattern)):
+                if kernel := _read(path, op):
+                    _memory[key] = kernel
+                    return kernel
         if version is None:
             raise MissingKernelError(
                 f"quack_jax has no cubin for {op}{variant_tag(variant)} ({dtype}, n={tiling.n}, "
                 f"{tiling.tag}, {arch}) "
-                f"in {folder}, and nvidia-cutlass-dsl is not installed to compile it. Install "
+                f"in {cache_dir()} or among the cubins packaged with quack_jax, and "
+                f"nvidia-cutlass-dsl is not installed to compile it. Install "
                 f"it with `pip install 'quack-jax[cuda]'`, or build the cubin elsewhere with "
                 f"`{build_command(op, dtype, tiling, arch)}` and point QUACK_JAX_CACHE at it."
             )
@@ -192,6 +225,6 @@ def get_kernel(
 
         compiled = kernels.compile_kernel(op, dtype, tiling, arch, variant)
         kernel = CubinKernel(op, compiled.symbol, compiled.cubin, compiled.smem_bytes)
-        _write(folder / f"{stem}-dsl{version}.json", kernel, version)
+        _write(f"{stem}-dsl{version}.json", kernel, version)
         _memory[key] = kernel
         return kernel

@@ -4,6 +4,7 @@ library; and the lowering that launches a kernel when compiling for a CUDA devic
 
 import base64
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -29,9 +30,12 @@ def cubin_arch(cubin: bytes) -> int:
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("QUACK_JAX_CACHE", str(tmp_path))
+    """An empty cache folder, and no fallback or packaged cubins to find."""
+    monkeypatch.setenv("QUACK_JAX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(_cache, "fallback_dir", lambda: tmp_path / "fallback")
+    monkeypatch.setattr(_cache, "PACKAGED", tmp_path / "packaged")
     monkeypatch.setattr(_cache, "_memory", {})
-    return tmp_path
+    return tmp_path / "cache"
 
 
 def test_every_test_and_benchmark_kernel_compiles(cache):
@@ -62,6 +66,62 @@ def test_cache_reuses_and_repairs_entries(cache):
     _cache._memory.clear()
     assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == first
     assert json.loads(path.read_text())["sha256"]
+
+
+def test_corrupted_entry_is_detected_and_rebuilt(cache):
+    """A cubin whose bytes changed (same length, so only the hash can tell) is not
+    loaded: the kernel is compiled again and the entry rewritten."""
+    tiling = choose_tiling("softmax_fwd", 1000, 4)
+    first = _cache.get_kernel("softmax_fwd", "float32", tiling, "sm_90a")
+    (path,) = cache.glob("*.json")
+    entry = json.loads(path.read_text())
+    cubin = bytearray(base64.b64decode(entry["cubin"]))
+    cubin[len(cubin) // 2] ^= 0xFF
+    path.write_text(json.dumps(entry | {"cubin": base64.b64encode(cubin).decode()}))
+    _cache._memory.clear()
+    assert _cache.get_kernel("softmax_fwd", "float32", tiling, "sm_90a") == first
+    assert base64.b64decode(json.loads(path.read_text())["cubin"]) == first.cubin
+
+
+def test_two_processes_compiling_one_kernel_both_succeed(cache):
+    """Two processes that miss the same entry at once both compile it and write it; each
+    write is atomic, so the entry left is whole and no temporary file remains."""
+    code = (
+        "from quack_jax import _cache; from quack_jax._tiling import choose_tiling; "
+        "k = _cache.get_kernel('softmax_bwd', 'bfloat16', choose_tiling('softmax_bwd', 3000, 2), "
+        "'sm_90a'); print(len(k.cubin))"
+    )
+    (cache.parent / "tmp").mkdir()  # the children's own fallback folder: empty
+    env = os.environ | {"QUACK_JAX_CACHE": str(cache), "TMPDIR": str(cache.parent / "tmp")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    sizes = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0] and sizes[0] == sizes[1] != ""
+    (path,) = cache.glob("*.json")
+    assert not list(cache.glob("*.tmp"))
+    entry = json.loads(path.read_text())
+    assert len(base64.b64decode(entry["cubin"])) == int(sizes[0])
+
+
+def test_unwritable_cache_falls_back_to_a_temporary_folder(tmp_path, monkeypatch):
+    """A cache path that cannot be made (its parent is a file) gives a warning naming
+    both folders, and the entry lands in the fallback folder, where the next lookup finds
+    it without compiling."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("QUACK_JAX_CACHE", str(blocker / "cache"))
+    monkeypatch.setattr(_cache, "fallback_dir", lambda: tmp_path / "fallback")
+    monkeypatch.setattr(_cache, "PACKAGED", tmp_path / "packaged")
+    monkeypatch.setattr(_cache, "_memory", {})
+    tiling = choose_tiling("softmax_fwd", 700, 2)
+    with pytest.warns(UserWarning, match="cannot write the kernel cache.*using .*fallback"):
+        first = _cache.get_kernel("softmax_fwd", "float16", tiling, "sm_90a")
+    assert len(list((tmp_path / "fallback").glob("*.json"))) == 1
+    _cache._memory.clear()
+    monkeypatch.setattr(_cache, "dsl_version", lambda: None)  # a compile would now fail
+    assert _cache.get_kernel("softmax_fwd", "float16", tiling, "sm_90a") == first
 
 
 def test_missing_kernel_without_cutlass_names_the_build_command(cache, monkeypatch):
