@@ -9,6 +9,7 @@ import importlib.util
 import os
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
 
@@ -36,6 +37,13 @@ class BuildSharedLibrary(build_ext):
         super().build_extension(ext)
 
 
+class AnyPythonWheel(bdist_wheel):
+    """The library is loaded with ctypes, not imported: one wheel serves every Python 3."""
+
+    def get_tag(self):
+        return ("py3", "none", super().get_tag()[2])
+
+
 setup(
     ext_modules=[
         SharedLibrary(
@@ -46,5 +54,5 @@ setup(
             libraries=["dl"],
         )
     ],
-    cmdclass={"build_ext": BuildSharedLibrary},
+    cmdclass={"build_ext": BuildSharedLibrary, "bdist_wheel": AnyPythonWheel},
 )

@@ -47,6 +47,8 @@ CASE_MODULES = (
     "test_gpu_norm",
     "test_gpu_cross_entropy",
     "test_gpu_sharding",
+    "test_fuzz",
+    "test_export",
     "sharded",
     "train_lm",
 )

@@ -11,6 +11,12 @@ usual ones (no weight, weights in x's dtype or float32; with and without a resid
 pre-norm or not; output in x's dtype; every cross-entropy variant) by lowering each op's
 forward and backward for CUDA, which compiles exactly the kernels a GPU run of them would
 launch.
+
+``--packaged`` builds the kernels that ship inside the wheel (``quack_jax/cubins``) for
+the row lengths of popular open models (``COMMON_MODELS``), every op and dtype, in the
+most used variants; run it before building the wheel::
+
+    python -m quack_jax.build --packaged && pip wheel --no-deps . -w dist
 """
 
 from __future__ import annotations
@@ -36,6 +42,24 @@ OPS = {
 LOWERED_OPS = ("rms_norm", "layer_norm", "cross_entropy")
 ARCHS = ("sm_90a",)
 DTYPES = tuple(ITEMSIZE)
+
+# (hidden size, vocabulary) of popular open models, from each one's config.json on the
+# Hugging Face Hub (the repository named): the norms' and cross-entropy's row lengths.
+COMMON_MODELS = {
+    "openai-community/gpt2": (768, 50257),
+    "meta-llama/Llama-3.2-1B": (2048, 128256),
+    "google/gemma-2-2b": (2304, 256000),
+    "meta-llama/Llama-3.2-3B": (3072, 128256),
+    "microsoft/Phi-3-mini-4k-instruct": (3072, 32064),
+    "Qwen/Qwen2.5-7B": (3584, 152064),
+    "meta-llama/Llama-3.1-8B": (4096, 128256),
+    "mistralai/Mistral-7B-v0.3": (4096, 32768),
+    "Qwen/Qwen2.5-14B": (5120, 152064),
+    "deepseek-ai/DeepSeek-V3": (7168, 129280),
+    "meta-llama/Llama-3.1-70B": (8192, 128256),
+}
+# attention rows (sequence lengths) for softmax
+COMMON_SEQUENCES = (1024, 2048, 4096, 8192)
 
 
 def configs(
@@ -97,18 +121,25 @@ def lower_for_cuda(fn: Callable, args, arch: str = "sm_90a") -> str:
         return fresh.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def norm_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
-    """(fn, args): forward and backward (``jax.vjp``) of ``op`` for the usual operand mixes."""
+NORM_MIXES = ((False, False), (True, False), (True, True))  # (residual, prenorm)
+
+
+def norm_functions(
+    op: str, dtype: str, n: int, packaged: bool = False
+) -> Iterator[tuple[Callable, tuple]]:
+    """(fn, args): forward and backward (``jax.vjp``) of ``op`` for the usual operand
+    mixes; ``packaged``: weights in x's dtype or float32, no residual or a pre-norm one."""
     import jax
 
     from . import norm
 
     apply = getattr(norm, op)
     row = jax.ShapeDtypeStruct((8, n), dtype)
-    for param_dtype in (None, dtype, "float32"):
+    param_dtypes = (dtype, "float32") if packaged else (None, dtype, "float32")
+    for param_dtype in param_dtypes:
         vec = jax.ShapeDtypeStruct((n,), param_dtype) if param_dtype else None
         params = (vec,) * (1 if op == "rms_norm" else 2) if vec else ()
-        for residual, prenorm in ((False, False), (True, False), (True, True)):
+        for residual, prenorm in NORM_MIXES[::2] if packaged else NORM_MIXES:
 
             def fn(x, params, res, dy, prenorm=prenorm):
                 def f(x, params, res):
@@ -120,17 +151,20 @@ def norm_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tupl
             yield fn, (row, params, row if residual else None, row)
 
 
-def cross_entropy_functions(dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
-    """(fn, args): with each kernel variant (label smoothing or not, softcap or not), the
-    gradient of the mean loss (one forward kernel that writes the gradient), and the
-    per-row losses and lse under ``jax.vjp`` (forward and backward kernels)."""
+def cross_entropy_functions(
+    dtype: str, n: int, packaged: bool = False
+) -> Iterator[tuple[Callable, tuple]]:
+    """(fn, args): with each kernel variant (label smoothing or not, softcap or not;
+    ``packaged``: neither), the gradient of the mean loss (one forward kernel that writes
+    the gradient), and the per-row losses and lse under ``jax.vjp`` (forward and backward
+    kernels)."""
     import jax
 
     from .cross_entropy import cross_entropy
 
     args = (jax.ShapeDtypeStruct((8, n), dtype), jax.ShapeDtypeStruct((8,), "int32"))
-    for smoothing in (0.0, 0.1):
-        for softcap in (None, 30.0):
+    for smoothing in (0.0,) if packaged else (0.0, 0.1):
+        for softcap in (None,) if packaged else (None, 30.0):
             options = dict(label_smoothing=smoothing, logit_softcap=softcap)
 
             def mean(x, labels, options=options):
@@ -147,19 +181,21 @@ def cross_entropy_functions(dtype: str, n: int) -> Iterator[tuple[Callable, tupl
             yield rows, args
 
 
-def lowered_functions(op: str, dtype: str, n: int) -> Iterator[tuple[Callable, tuple]]:
+def lowered_functions(
+    op: str, dtype: str, n: int, packaged: bool = False
+) -> Iterator[tuple[Callable, tuple]]:
     if op == "cross_entropy":
-        return cross_entropy_functions(dtype, n)
-    return norm_functions(op, dtype, n)
+        return cross_entropy_functions(dtype, n, packaged)
+    return norm_functions(op, dtype, n, packaged)
 
 
-def build_lowered(ops, dtypes, sizes, arch: str, verbose: bool = True) -> None:
+def build_lowered(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged=False) -> None:
     """Build the kernels of ``LOWERED_OPS`` by lowering their functions for CUDA."""
     start = time.perf_counter()
     for op in ops:
         for dtype in dtypes:
             for n in sizes:
-                for fn, args in lowered_functions(op, dtype, n):
+                for fn, args in lowered_functions(op, dtype, n, packaged):
                     lower_for_cuda(fn, args, arch)
                 if verbose:
                     print(f"{op:10s} {dtype:9s} n={n:<7d} ready", flush=True)
@@ -178,13 +214,29 @@ def main(argv: list[str] | None = None) -> None:
     choices = [*OPS, *LOWERED_OPS]
     parser.add_argument("--ops", nargs="+", default=choices, choices=choices)
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    parser.add_argument("--sizes", nargs="+", type=int, required=True, help="row lengths n")
+    parser.add_argument("--sizes", nargs="+", type=int, help="row lengths n")
+    parser.add_argument(
+        "--packaged",
+        action="store_true",
+        help="the kernels shipped in the wheel (quack_jax/cubins), for COMMON_MODELS",
+    )
     parser.add_argument(
         "--candidates",
         action="store_true",
         help="also the alternative tilings the benchmark tuner tries",
     )
     args = parser.parse_args(argv)
+    if args.packaged:
+        from ._cache import PACKAGED
+
+        os.environ["QUACK_JAX_CACHE"] = str(PACKAGED)
+        build(configs(list(OPS), DTYPES, COMMON_SEQUENCES), args.arch)
+        hidden, vocab = (sorted(set(sizes)) for sizes in zip(*COMMON_MODELS.values(), strict=True))
+        build_lowered(["rms_norm", "layer_norm"], DTYPES, hidden, args.arch, packaged=True)
+        build_lowered(["cross_entropy"], DTYPES, vocab, args.arch, packaged=True)
+        return
+    if not args.sizes:
+        parser.error("--sizes is required (or --packaged)")
     if args.cache:
         os.environ["QUACK_JAX_CACHE"] = args.cache
     softmax_ops = [op for op in args.ops if op in OPS]

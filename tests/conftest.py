@@ -5,6 +5,7 @@ fallback wherever they run; ``gpu`` tests need a CUDA device with quack_jax kern
 (compute capability 9.0) and are skipped elsewhere.
 """
 
+import importlib.util
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -23,12 +24,17 @@ def kernel_devices():
 
 
 def pytest_collection_modifyitems(config, items):
-    if kernel_devices():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU with compute capability 9.0")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    """Skip ``gpu`` tests without a kernel GPU, ``cutlass`` tests (they compile kernels)
+    without CuTe-DSL."""
+    skips = []
+    if not kernel_devices():
+        skips.append(("gpu", "needs a CUDA GPU with compute capability 9.0"))
+    if importlib.util.find_spec("cutlass") is None:
+        skips.append(("cutlass", "compiles kernels: needs nvidia-cutlass-dsl"))
+    for marker, reason in skips:
+        for item in items:
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

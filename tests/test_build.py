@@ -38,6 +38,7 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+@pytest.mark.cutlass
 def test_every_test_and_benchmark_kernel_compiles(cache):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
@@ -55,6 +56,7 @@ def test_every_test_and_benchmark_kernel_compiles(cache):
         assert entry["symbol"].startswith("kernel_")
 
 
+@pytest.mark.cutlass
 def test_cache_reuses_and_repairs_entries(cache):
     tiling = choose_tiling("softmax_fwd", 4096, 2)
     first = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
@@ -68,6 +70,7 @@ def test_cache_reuses_and_repairs_entries(cache):
     assert json.loads(path.read_text())["sha256"]
 
 
+@pytest.mark.cutlass
 def test_corrupted_entry_is_detected_and_rebuilt(cache):
     """A cubin whose bytes changed (same length, so only the hash can tell) is not
     loaded: the kernel is compiled again and the entry rewritten."""
@@ -83,6 +86,7 @@ def test_corrupted_entry_is_detected_and_rebuilt(cache):
     assert base64.b64decode(json.loads(path.read_text())["cubin"]) == first.cubin
 
 
+@pytest.mark.cutlass
 def test_two_processes_compiling_one_kernel_both_succeed(cache):
     """Two processes that miss the same entry at once both compile it and write it; each
     write is atomic, so the entry left is whole and no temporary file remains."""
@@ -105,6 +109,7 @@ def test_two_processes_compiling_one_kernel_both_succeed(cache):
     assert len(base64.b64decode(entry["cubin"])) == int(sizes[0])
 
 
+@pytest.mark.cutlass
 def test_unwritable_cache_falls_back_to_a_temporary_folder(tmp_path, monkeypatch):
     """A cache path that cannot be made (its parent is a file) gives a warning naming
     both folders, and the entry lands in the fallback folder, where the next lookup finds
@@ -124,6 +129,22 @@ def test_unwritable_cache_falls_back_to_a_temporary_folder(tmp_path, monkeypatch
     assert _cache.get_kernel("softmax_fwd", "float16", tiling, "sm_90a") == first
 
 
+@pytest.mark.cutlass
+def test_packaged_cubins_are_found_without_cutlass(cache, monkeypatch):
+    """An entry among the cubins packaged with quack_jax serves a lookup when the cache
+    is empty and CuTe-DSL is absent (a user who installed only the wheel)."""
+    tiling = choose_tiling("softmax_fwd", 2048, 2)
+    built = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
+    (path,) = cache.glob("*.json")
+    packaged = cache.parent / "packaged"
+    packaged.mkdir()
+    path.rename(packaged / path.name)
+    _cache._memory.clear()
+    monkeypatch.setattr(_cache, "dsl_version", lambda: None)
+    assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == built
+    assert not list(cache.glob("*.json"))
+
+
 def test_missing_kernel_without_cutlass_names_the_build_command(cache, monkeypatch):
     monkeypatch.setattr(_cache, "dsl_version", lambda: None)
     tiling = choose_tiling("softmax_bwd", 5000, 4)
@@ -136,6 +157,7 @@ def test_missing_kernel_without_cutlass_names_the_build_command(cache, monkeypat
         _cache.get_kernel("log_softmax_jvp", "bfloat16", tiling, "sm_90a")
 
 
+@pytest.mark.cutlass
 def test_build_command(cache):
     cmd = [
         sys.executable,
@@ -204,6 +226,7 @@ def test_ffi_library_builds_without_cuda(tmp_path):
     assert exported == {"QuackJaxLaunch", "QuackJaxLaunchInitialize", "QuackJaxCapturedLaunches"}
 
 
+@pytest.mark.cutlass
 def test_cuda_lowering_launches_kernels(cache, monkeypatch):
     """Lowered for a CUDA device (here, without one), the ops become kernel launches."""
     monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
@@ -242,6 +265,7 @@ def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):
     assert _ffi.TARGET not in text
 
 
+@pytest.mark.cutlass
 def test_every_norm_variant_compiles(cache):
     """The norm kernels of every usual operand mix (weights none, in x's dtype or float32;
     residual, pre-norm), each dtype, at sizes that take one warp, a CTA and a cluster."""
@@ -255,6 +279,7 @@ def test_every_norm_variant_compiles(cache):
         assert cubin_arch(base64.b64decode(json.loads(path.read_text())["cubin"])) == 90
 
 
+@pytest.mark.cutlass
 def test_every_cross_entropy_variant_compiles(cache):
     """Forward kernels (with and without the gradient) and backward kernels, with and
     without label smoothing and softcap, each dtype, from a one-warp row to odd-length

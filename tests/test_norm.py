@@ -784,6 +784,7 @@ def launches(text):
     return text.count(f"custom_call @{_ffi.TARGET}")
 
 
+@pytest.mark.cutlass
 @pytest.mark.parametrize("name", OPS)
 def test_cuda_lowering_launches_forward_and_backward_kernels(cuda, name):
     x = jnp.zeros((4, 7, 1000), jnp.bfloat16)
@@ -820,6 +821,7 @@ LOWERING_CONFIGS = {
     ("name", "config"),
     [(n, c) for n in OPS for c in LOWERING_CONFIGS if n == "layer_norm" or c != "bias"],
 )
+@pytest.mark.cutlass
 def test_cuda_lowering_flag_combinations(cuda, name, config):
     config = dict(LOWERING_CONFIGS[config])
     x, r, w, b = make_inputs(
