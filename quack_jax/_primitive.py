@@ -190,10 +190,11 @@ class RowwisePrimitive:
         """Kernels where the CUDA target has them, else the reference; partitioned along
         the rows under a sharded jit (see ``_partition``)."""
         target = kernel_target(ctx) if cuda else None
+        reference = functools.partial(self._reference_outputs, **params)
 
         def make(avals_in, avals_out):
             fn = target and self.kernel(target, avals_in, avals_out, **params)
-            return fn or functools.partial(self._reference_outputs, **params)
+            return fn or reference
 
         n_in, n_out = len(ctx.avals_in), len(ctx.avals_out)
         roles_in, roles_out = (
@@ -202,6 +203,6 @@ class RowwisePrimitive:
         split = functools.partial(self.split, **params)
         # over several devices, the partitioned call's global body is never run
         devices = getattr(ctx.module_context.axis_context, "num_devices", 1)
-        body = functools.partial(self._reference_outputs, **params) if devices > 1 else None
+        body = reference if devices > 1 else None
         fn = partitioned(make, ctx.avals_in, ctx.avals_out, roles_in, roles_out, split, body)
         return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)
