@@ -21,11 +21,11 @@ for step in "$@"; do
     tests) timeout "${TEST_SECONDS:-240}" python3 -m pytest -m gpu -q -rs --maxfail=10 \
                -p no:cacheprovider tests \
                2>&1 | tee "$OUT/gpu_tests.log" || status=1 ;;
-    bench) python3 benchmarks/run.py --out "$OUT/bench" || status=1 ;;
-    tune) timeout "${TUNE_SECONDS:-400}" python3 benchmarks/run.py --tune --reps 5 \
+    bench) python3 -m quack_jax.bench --out "$OUT/bench" || status=1 ;;
+    tune) timeout "${TUNE_SECONDS:-400}" python3 -m quack_jax.bench --tune --reps 5 \
               --ops ${TUNE_OPS:-softmax rms_norm layer_norm} \
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
-    nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 benchmarks/run.py \
+    nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m quack_jax.bench \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
     ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
              --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \

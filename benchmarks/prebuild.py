@@ -32,10 +32,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import jax  # noqa: E402
-import run  # noqa: E402
 import shapes  # noqa: E402
 
-from quack_jax import _cache, _ffi  # noqa: E402
+from quack_jax import _cache, _ffi, bench  # noqa: E402
 from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
 from quack_jax.build import build, configs  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
@@ -58,7 +57,7 @@ def specs(tune: bool = False):
     """Softmax configs of the tests and the benchmark; with ``tune``, the tuner's too."""
     sizes = sorted(set(shapes.GPU_SIZES) | set(shapes.SPECIAL_SIZES))
     out = configs(["softmax", "log_softmax"], shapes.GPU_DTYPES, sizes)
-    out += configs(["softmax"], run.DTYPES, [n for _, n in run.SHAPES], candidates=tune)
+    out += configs(["softmax"], bench.DTYPES, [n for _, n in bench.SHAPES], candidates=tune)
     return list(dict.fromkeys(out))
 
 
@@ -74,8 +73,8 @@ def _benchmark_shapes(ops=LOWERED):
     """(op, dtype, n, the op's arguments) for every norm benchmark shape, ``--quick``'s too
     (the kernels depend on n, not on the number of rows)."""
     for name in ops:
-        op = run.OPS[name]
-        for dtype in run.DTYPES:
+        op = bench.OPS[name]
+        for dtype in bench.DTYPES:
             for n, m in {n: m for m, n in op.shapes + op.quick_shapes}.items():
                 args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
                 yield op, dtype, n, args
@@ -125,7 +124,7 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
     kernels = {}
     for i, low in enumerate(lowerings):
         t0 = time.perf_counter()
-        with run.kernels_used() as used:
+        with bench.kernels_used() as used:
             launches = _lower(low, arch)
         if low.tiling and low.tiling[3] not in [tiling for _, _, tiling, _ in used]:
             raise RuntimeError(f"{low.label}: the tiling override did not reach the kernel")

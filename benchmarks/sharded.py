@@ -3,7 +3,7 @@ vocab-parallel cross-entropy.
 
     python benchmarks/sharded.py --out DIR     # on a machine with two sm_90 GPUs
 
-Rows: softmax, rms_norm and cross_entropy (run.py's quack_jax functions, forward and
+Rows: softmax, rms_norm and cross_entropy (quack_jax.bench's functions, forward and
 forward+backward) on (2M, N) with the rows split over two GPUs, against (M, N) on one GPU.
 Each GPU does the same work in both, so the ratio of the times is the ratio of the
 per-device throughputs.
@@ -13,8 +13,8 @@ split over two GPUs by vocabulary, against the same array on one GPU (each GPU d
 the work), and (8192, 256512) split over two against (8192, 128256) on one (the same work
 per GPU). The split loss and gradient are checked against one GPU's on the same array.
 
-Timing as in run.py (K distinct inputs in one jitted function, median of samples).
-TB/s per device counts the bytes each GPU must move (run.py's passes over its share).
+Timing as in bench.py (K distinct inputs in one jitted function, median of samples).
+TB/s per device counts the bytes each GPU must move (bench.py's passes over its share).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import run
 from jax.sharding import NamedSharding, PartitionSpec
 
 import quack_jax
+from quack_jax import bench
 from quack_jax._tiling import ITEMSIZE
 
 ROW_SHAPES = {"softmax": (16384, 4096), "rms_norm": (16384, 4096), "cross_entropy": (4096, 128256)}
@@ -44,7 +44,7 @@ def _per_row_loss(logits, labels):
 
 def prebuild_cases():
     """The kernels each GPU launches on its slice of the vocabulary (per-row forward and
-    backward at V / 2 and V); the row-sharded runs launch run.py's kernels."""
+    backward at V / 2 and V); the row-sharded runs launch bench.py's kernels."""
     labels = jax.ShapeDtypeStruct((VOCAB_ROWS,), jnp.int32)
     for n in (VOCAB // 2, VOCAB):
         yield jax.grad(_per_row_loss), (jax.ShapeDtypeStruct((VOCAB_ROWS, n), "bfloat16"), labels)
@@ -65,11 +65,11 @@ def _placed(arguments, mesh, by_rows: bool):
 
 def _time(op, case, m, n, dtype, mesh=None, by_rows=True, reps=7):
     """Seconds per call of ``case`` on (m, n) inputs: on one GPU, or split on ``mesh``."""
-    count = run.input_count(op, m * n * ITEMSIZE[dtype] // (1 if mesh is None else 2))
-    arguments = [a[: case.args] for a in run.make_inputs(op.arguments(m, n, dtype), count, m)]
+    count = bench.input_count(op, m * n * ITEMSIZE[dtype] // (1 if mesh is None else 2))
+    arguments = [a[: case.args] for a in bench.make_inputs(op.arguments(m, n, dtype), count, m)]
     if mesh is not None:
         arguments = _placed(arguments, mesh, by_rows)
-    seconds = run.time_per_call(case.fn, arguments, reps, require_kernel=True)
+    seconds = bench.time_per_call(case.fn, arguments, reps, require_kernel=True)
     del arguments
     return seconds
 
@@ -78,7 +78,7 @@ def rows_table(mesh, dtypes, reps):
     rows = []
     for dtype in dtypes:
         for name, (m, n) in ROW_SHAPES.items():
-            op = run.OPS[name]
+            op = bench.OPS[name]
             for case in (c for c in op.cases if c.key in CASES):
                 one = _time(op, case, m, n, dtype, reps=reps)
                 two = _time(op, case, 2 * m, n, dtype, mesh, True, reps)
@@ -91,8 +91,8 @@ def rows_table(mesh, dtypes, reps):
 
 def vocab_check(mesh):
     """The split loss and gradient against one GPU's, on one (8192, 128256) bf16 array."""
-    op = run.OPS["cross_entropy"]
-    logits, labels, _ = run.make_inputs(op.arguments(VOCAB_ROWS, VOCAB, "bfloat16"), 1, 7)[0]
+    op = bench.OPS["cross_entropy"]
+    logits, labels, _ = bench.make_inputs(op.arguments(VOCAB_ROWS, VOCAB, "bfloat16"), 1, 7)[0]
     f = jax.jit(jax.value_and_grad(quack_jax.cross_entropy))
     split_loss, split_grad = f(*_placed([(logits, labels)], mesh, False)[0])
     loss, grad = f(logits, labels)
@@ -108,7 +108,7 @@ def vocab_check(mesh):
 
 
 def vocab_table(mesh, reps):
-    op = run.OPS["cross_entropy"]
+    op = bench.OPS["cross_entropy"]
     rows = []
     for case in (c for c in op.cases if c.key in CASES):
         one = _time(op, case, VOCAB_ROWS, VOCAB, "bfloat16", reps=reps)
@@ -130,7 +130,7 @@ def report(rows, vocab, check) -> str:
     for r in rows:
         lines.append(
             f"| {r['op']} | {r['dtype']} | {r['m']}x{r['n']} | {r['case']} | "
-            f"{run.tbps(r['bytes'], r['one']):.2f} | {run.tbps(r['bytes'], r['two']):.2f} | "
+            f"{bench.tbps(r['bytes'], r['one']):.2f} | {bench.tbps(r['bytes'], r['two']):.2f} | "
             f"{r['one'] / r['two']:.3f} |"
         )
     lines += [
@@ -145,8 +145,8 @@ def report(rows, vocab, check) -> str:
         lines.append(
             f"| {r['case']} | {1e3 * r['one']:.3f} | {1e3 * r['split']:.3f} | "
             f"{r['one'] / r['split']:.2f}x | {1e3 * r['split_double']:.3f} | "
-            f"{run.tbps(r['bytes'], r['one']):.2f} / "
-            f"{run.tbps(r['bytes'], r['split_double']):.2f} |"
+            f"{bench.tbps(r['bytes'], r['one']):.2f} / "
+            f"{bench.tbps(r['bytes'], r['split_double']):.2f} |"
         )
     lines += ["", f"Split against one GPU on the same array: {check}"]
     return "\n".join(lines)
@@ -158,16 +158,16 @@ def main(argv=None):
     )
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--dtypes", nargs="+", default=run.DTYPES, choices=run.DTYPES)
+    parser.add_argument("--dtypes", nargs="+", default=bench.DTYPES, choices=bench.DTYPES)
     args = parser.parse_args(argv)
-    if len(jax.devices()) < 2 or not run.kernel_device():
+    if len(jax.devices()) < 2 or not bench.kernel_device():
         parser.error("needs two GPUs that run quack_jax kernels")
     mesh = jax.make_mesh((2,), ("g",), devices=jax.devices()[:2])
     check = vocab_check(mesh)
     print(check, flush=True)
     rows = rows_table(mesh, args.dtypes, args.reps)
     vocab = vocab_table(mesh, args.reps)
-    header = f"sharded, {datetime.date.today()}, 2 x {run.describe()}, jax {jax.__version__}\n\n"
+    header = f"sharded, {datetime.date.today()}, 2 x {bench.describe()}, jax {jax.__version__}\n\n"
     text = header + report(rows, vocab, check)
     print(text, flush=True)
     if args.out:

@@ -1,12 +1,12 @@
 """quack_jax against XLA (and Flax, for the norms), side by side in one process: each op's
 forward, and forward plus backward (``jax.vjp``), on the shapes of the project's anchors.
 
-    python benchmarks/run.py                  # every op's table on this machine's default device
-    python benchmarks/run.py --quick          # small shapes, seconds on a CPU
-    python benchmarks/run.py --ops rms_norm --tune --out DIR  # also every candidate tiling (GPU)
+    python -m quack_jax.bench                  # every op's table on this machine's default device
+    python -m quack_jax.bench --quick          # small shapes, seconds on a CPU
+    python -m quack_jax.bench --ops rms_norm --tune --out DIR  # and every candidate tiling (GPU)
 
 Ops: softmax, rms_norm, layer_norm, cross_entropy (``--ops``); each writes ``<op>.md``,
-``<op>.json`` and ``<op>.png`` to ``--out``.
+``<op>.json`` and, with matplotlib installed, ``<op>.png`` to ``--out``.
 
 Timing: one jitted function applies the op to K distinct inputs (no common subexpressions,
 no L2 reuse), K chosen so one call moves about 10 GB; after a warm-up, each sample is
@@ -18,8 +18,9 @@ rsqrt, LayerNorm with the centred variance, cast back to x's dtype) and Flax's
 with the same weight and bias). So is the ceiling: ``x * 2`` over float32 arrays of the
 same byte size. TB/s counts the bytes the op must move at least, e being x's element size:
 
-- softmax: forward 2*M*N*e (read x, write y); forward+backward, timed as ``jax.vjp`` with
-  the forward output unused, 3*M*N*e (read x and dy, write dx).
+- softmax: forward 2*M*N*e (read x, write y); forward+backward, ``jax.vjp`` that also
+  returns y (as in training, where y is used), 5*M*N*e (the forward reads x and writes y,
+  the backward reads x or y and dy and writes dx).
 - cross_entropy, labels uniform in [0, N), reduction "mean": forward M*N*e (read the
   logits); forward+backward, ``jax.grad`` of the mean loss w.r.t. the logits, 2*M*N*e (the
   anchors' count: read the logits, write their gradient; quack_jax's two kernels read the
@@ -148,14 +149,13 @@ class Op:
         return {"copy": 2} | {c.key: c.passes for c in self.cases}
 
 
-def fwd_bwd(fn, output=False):
+def fwd_bwd(fn):
     """``jax.vjp`` of ``fn`` w.r.t. all its arguments, given the cotangent as the last
-    argument; with ``output`` fn's result is returned too, else it is dead code."""
+    argument: fn's result and the gradients (the forward is not dead code)."""
 
     def f(*args):
         y, vjp = jax.vjp(fn, *args[:-1])
-        grads = vjp(args[-1])
-        return (y, grads) if output else grads
+        return y, vjp(args[-1])
 
     return f
 
@@ -189,8 +189,8 @@ SOFTMAX = Op(
     cases=[
         Case("quack_fwd", "quack_jax fwd", 2, quack_jax.softmax, -1, kernel=True),
         Case("xla_fwd", "XLA fwd", 2, jax.nn.softmax, -1),
-        Case("quack_fwd_bwd", "quack_jax fwd+bwd", 3, fwd_bwd(quack_jax.softmax), kernel=True),
-        Case("xla_fwd_bwd", "XLA fwd+bwd", 3, fwd_bwd(jax.nn.softmax)),
+        Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_jax.softmax), kernel=True),
+        Case("xla_fwd_bwd", "XLA fwd+bwd", 5, fwd_bwd(jax.nn.softmax)),
     ],
     tuned=[
         Tuned("fwd", "softmax_fwd", 2, quack_jax.softmax, lambda x, dy: (x,)),
@@ -269,9 +269,9 @@ def norm_op(name: str, rms: bool) -> Op:
         cases=[
             Case("quack_fwd", "quack_jax fwd", 2, quack_fn, -1, kernel=True),
             Case("xla_fwd", "XLA fwd", 2, xla_fn, -1),
-            Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_fn, True), kernel=True),
+            Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_fn), kernel=True),
         ]
-        + [Case(f"{k}_fwd_bwd", f"{lab} fwd+bwd", 5, fwd_bwd(f, True)) for k, lab, f in refs],
+        + [Case(f"{k}_fwd_bwd", f"{lab} fwd+bwd", 5, fwd_bwd(f)) for k, lab, f in refs],
         tuned=[
             Tuned("fwd", "norm_fwd", 2, quack_fn, lambda *args: args[:-1], forward_live, 1, True),
             Tuned("bwd", "norm_bwd", 3, backward, backward_operands, backward_live, 2),
@@ -531,33 +531,49 @@ def tuning_table(op: Op, rows) -> str:
     return "\n".join(lines)
 
 
-def plot(op: Op, rows, path, title):
-    import matplotlib
+def bar_panel(ax, rows, series, copy):
+    """One plot panel: a group of bars per row (``series`` maps a label to a TB/s per row)
+    and the copy ceiling as a dashed line."""
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        offset = (i - (len(series) - 1) / 2) * width
+        ax.bar([j + offset for j in range(len(rows))], values, width, label=label)
+    ax.plot(range(len(rows)), copy, "k--", marker="_", label="copy (ceiling)")
+    ax.set_xticks(range(len(rows)), [f"{r['m']}x{r['n']}" for r in rows], rotation=20)
+    ax.set_ylabel("TB/s")
 
-    matplotlib.use("Agg")
+
+def save_figure(fig, legend_from, path, title):
+    """A legend (the panel ``legend_from``'s) below the panels, the title above; saved, closed."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(DTYPES), figsize=(7 * len(DTYPES), 4.5), squeeze=False)
-    width = 0.8 / len(op.cases)
-    for ax, dtype in zip(axes[0], DTYPES, strict=True):
-        sel = [r for r in rows if r["dtype"] == dtype]
-        if not sel:
-            continue
-        for i, case in enumerate(op.cases):
-            values = [rate(op, r, case.key) for r in sel]
-            offset = (i - (len(op.cases) - 1) / 2) * width
-            ax.bar([j + offset for j in range(len(sel))], values, width, label=case.label)
-        copy = [rate(op, r, "copy") for r in sel]
-        ax.plot(range(len(sel)), copy, "k--", marker="_", label="copy (ceiling)")
-        ax.set_xticks(range(len(sel)), [f"{r['m']}x{r['n']}" for r in sel], rotation=20)
-        ax.set_ylabel("TB/s")
-        ax.set_title(f"{op.name}, {dtype}")
-    handles, labels = next(ax for ax in axes[0] if ax.has_data()).get_legend_handles_labels()
+    handles, labels = legend_from.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(op: Op, rows, path, title):
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name}", flush=True)
+        return
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(DTYPES), figsize=(7 * len(DTYPES), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], DTYPES, strict=True):
+        sel = [r for r in rows if r["dtype"] == dtype]
+        if not sel:
+            continue
+        series = {case.label: [rate(op, r, case.key) for r in sel] for case in op.cases}
+        bar_panel(ax, sel, series, [rate(op, r, "copy") for r in sel])
+        ax.set_title(f"{op.name}, {dtype}")
+    save_figure(fig, next(ax for ax in axes[0] if ax.has_data()), path, title)
 
 
 def main(argv=None):
@@ -599,6 +615,7 @@ def main(argv=None):
                 "device": describe(),
                 "jax": jax.__version__,
                 "options": {k: v for k, v in vars(args).items() if k != "out"},
+                "passes": op.passes,
             }
             rows_json = json.dumps({"meta": meta, "rows": rows}, indent=1)
             (args.out / f"{name}.json").write_text(rows_json)

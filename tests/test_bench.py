@@ -1,0 +1,59 @@
+"""The benchmark inside the package (``python -m quack_jax.bench``) and the side-by-side
+report built from its JSON and a QuACK file, on the CPU with small shapes."""
+
+import json
+import pathlib
+
+import pytest
+
+from quack_jax import bench
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = ["--quick", "--ops", "softmax", "rms_norm", "--dtypes", "float32", "--reps", "1"]
+    bench.main([*args, "--out", str(out)])
+    return out
+
+
+def test_bench_writes_tables_with_byte_counts(bench_dir):
+    for op, passes in (("softmax", 5), ("rms_norm", 5)):
+        result = json.loads((bench_dir / f"{op}.json").read_text())
+        assert "XLA fallback" in result["meta"]["device"]
+        assert result["meta"]["passes"]["quack_fwd_bwd"] == passes
+        assert [(r["m"], r["n"]) for r in result["rows"]] == bench.OPS[op].quick_shapes
+        for row in result["rows"]:
+            assert all(row[key] > 0 for key in result["meta"]["passes"])
+        assert "| float32 |" in (bench_dir / f"{op}.md").read_text()
+
+
+def test_report_beside_quack(bench_dir, monkeypatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    import report
+
+    rows = []
+    for op in ("softmax", "rms_norm"):
+        for i, r in enumerate(json.loads((bench_dir / f"{op}.json").read_text())["rows"]):
+            # QuACK twice as fast on the first row of each op, absent on the others
+            seconds = {c: r[f"quack_{c}"] / 2 for c in report.CASES} if i == 0 else None
+            row = dict(op=op, dtype=r["dtype"], m=r["m"], n=r["n"])
+            if seconds:
+                passes = bench.OPS[op].passes
+                size = r["m"] * r["n"] * 4
+                row |= {
+                    f"{c}_tbps": passes[f"quack_{c}"] * size / s / 1e12 for c, s in seconds.items()
+                }
+            rows.append(row)
+    meta = dict(device="test", torch="-", quack="-", cuda="-")
+    (bench_dir / "quack_torch.json").write_text(json.dumps(dict(meta=meta, rows=rows)))
+    notes = bench_dir / "notes.md"
+    notes.write_text("Hand-written analysis.")
+    report.main([str(bench_dir), "--notes", str(notes)])
+    text = (bench_dir / "report.md").read_text()
+    assert "Hand-written analysis." in text
+    assert text.count("| 0.50x |") == 4  # fwd and fwd+bwd of each op's first row
+    behind = text.split("## Where quack_jax is behind QuACK")[1]
+    assert behind.count("0.50x") == 4 and "4096 x 1024" in behind
+    assert (bench_dir / "report.png").stat().st_size > 10_000
