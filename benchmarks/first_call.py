@@ -2,12 +2,12 @@
 one op, for quack_jax and for XLA's own formulation of the same op, each in a process of
 its own (so JAX's start-up and the GPU's initialisation are in both).
 
-    python benchmarks/first_call.py                 # prebuilt configs, on this machine
-    python benchmarks/first_call.py --compile       # also a config that must be compiled
+    python benchmarks/first_call.py                      # prebuilt configs, on this machine
+    python benchmarks/first_call.py --configs compiled   # a config that must be compiled
 
 quack_jax's configs here are among the cubins packaged in the wheel (``python -m
 quack_jax.build --packaged``): run it with an empty ``QUACK_JAX_CACHE`` to see what a user
-with only the wheel gets. ``--compile`` adds a row length outside the packaged set, which
+with only the wheel gets. ``compiled`` times a row length outside the packaged set, which
 needs CuTe-DSL on the machine (the kernel is compiled on first use).
 """
 
@@ -86,20 +86,25 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="also a config to compile")
+    parser.add_argument(
+        "--configs", nargs="+", default=["prebuilt"], choices=["prebuilt", "compiled"]
+    )
     parser.add_argument("--out", help="write the rows as JSON here")
     args = parser.parse_args(argv)
+    runs = []
+    if "prebuilt" in args.configs:
+        runs += [(name, shape, dtype, "prebuilt") for name, (shape, dtype, *_) in CASES.items()]
+    if "compiled" in args.configs:
+        runs.append((*COMPILED, "compiled"))
     rows = []
-    for name, (shape, dtype, quack_call, xla_call) in CASES.items():
-        for impl, call in (("quack_jax", quack_call), ("XLA", xla_call)):
-            row = dict(op=name, shape=shape, dtype=dtype, impl=impl, config="prebuilt")
-            rows.append(row | measure(shape, dtype, call, impl == "quack_jax", args.repeats))
+    for name, shape, dtype, config in runs:
+        calls = dict(zip(("quack_jax", "XLA"), CASES[name][2:], strict=True))
+        for impl, call in calls.items():
+            # a compiled config is compiled once: its later processes would find it cached
+            repeats = 1 if config == "compiled" and impl == "quack_jax" else args.repeats
+            row = dict(op=name, shape=shape, dtype=dtype, impl=impl, config=config)
+            rows.append(row | measure(shape, dtype, call, impl == "quack_jax", repeats))
             print(rows[-1], flush=True)
-    if args.compile:
-        name, shape, dtype = COMPILED
-        call = CASES[name][2]
-        row = dict(op=name, shape=shape, dtype=dtype, impl="quack_jax", config="compiled")
-        rows.append(row | measure(shape, dtype, call, True, 1))
     print("| op | shape | impl | config | import s | first call s | total s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,14 +1,23 @@
-"""QuACK for PyTorch (``quack-kernels``) on run.py's shapes, timed the same way, so its
-figures sit beside quack_jax's and XLA's from the same machine and day.
+"""QuACK for PyTorch (``quack-kernels``) on the rows of a ``quack_jax.bench`` run, timed
+the same way, so its figures sit beside quack_jax's and XLA's from the same machine and
+day.
 
-    python benchmarks/quack_torch.py --out DIR     # needs torch, CUDA and quack-kernels
+    python -m quack_jax.bench --out DIR
+    python benchmarks/quack_torch.py --like DIR     # needs torch, CUDA and quack-kernels
 
-Each op runs forward (``quack.softmax``, ``quack.rmsnorm`` with a float32 weight,
-``quack.cross_entropy`` with the mean) and forward+backward (``torch.autograd.grad``
-w.r.t. the input, and the weight for RMSNorm) on K distinct inputs per sample, three
-back-to-back rounds per sample, the median of the samples divided by 3 K: run.py's method
-with a Python loop for its jitted one. TB/s counts run.py's bytes (its ``passes``). The
-first call of each shape compiles QuACK's kernel (CuTe-DSL JIT) and is not timed.
+For every row of ``DIR/<op>.json`` (op, dtype, M x N) it times QuACK's forward
+(``quack.softmax``; ``quack.rmsnorm`` with a float32 weight; ``layernorm_fwd`` with a
+float32 weight and bias; ``quack.cross_entropy`` with the mean) and forward+backward
+(``torch.autograd.grad`` w.r.t. the input, and the weight for RMSNorm; LayerNorm's
+``layernorm_fwd`` with the saved statistics, then ``layernorm_bwd``), bfloat16 rows first,
+and writes ``DIR/quack_torch.json`` after each row; a rerun times only the rows it lacks.
+TB/s counts the bench's bytes (the JSON's ``passes``).
+
+Timing as in the bench: K distinct inputs, each sample three rounds over the K, the median
+of the samples divided by 3 K. A round is launched two ways: eagerly from Python, and
+replayed from a CUDA graph captured from the eager calls (no host dispatch, like XLA's
+command buffers); both are kept, and the report takes the faster. The first call of each
+shape compiles QuACK's kernels (CuTe-DSL JIT) and is not timed.
 """
 
 from __future__ import annotations
@@ -22,41 +31,41 @@ import time
 
 import quack
 import torch
+from quack.rmsnorm import layernorm_bwd, layernorm_fwd
 
-SHAPES = {
-    "softmax": [(16384, 4096), (8192, 16384), (4096, 65536)],
-    "rms_norm": [(16384, 4096), (8192, 8192), (4096, 16384)],
-    "cross_entropy": [(8192, 32000), (4096, 128256), (2048, 262144)],
-}
-PASSES = {  # run.py's byte counts, in units of M*N*e
-    "softmax": {"fwd": 2, "fwd_bwd": 3},
-    "rms_norm": {"fwd": 2, "fwd_bwd": 5},
-    "cross_entropy": {"fwd": 1, "fwd_bwd": 2},
-}
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 TARGET_BYTES = 4e9
+EPS = 1e-6  # the bench's
+GRAPHS = {"on": True}
 
 
 def inputs(op, m, n, dtype, count):
-    """``count`` tuples of distinct arguments: x (and the weight or labels), dy."""
-    out = []
-    for _ in range(count):
-        x = torch.randn(m, n, device="cuda", dtype=dtype)
-        dy = torch.randn(m, n, device="cuda", dtype=dtype)
-        if op == "rms_norm":
-            extra = (torch.randn(n, device="cuda", dtype=torch.float32),)
-        elif op == "cross_entropy":
-            extra = (torch.randint(0, n, (m,), device="cuda"),)
-        else:
-            extra = ()
-        out.append((x, *extra, dy))
-    return out
+    """``count`` tuples of distinct arguments: x, the op's parameters or labels, dy."""
+
+    def params(k):
+        return tuple(torch.randn(n, device="cuda", dtype=torch.float32) for _ in range(k))
+
+    extra = {
+        "softmax": lambda: (),
+        "rms_norm": lambda: params(1),
+        "layer_norm": lambda: params(2),
+        "cross_entropy": lambda: (torch.randint(0, n, (m,), device="cuda"),),
+    }[op]
+    return [
+        (
+            torch.randn(m, n, device="cuda", dtype=dtype),
+            *extra(),
+            torch.randn(m, n, device="cuda", dtype=dtype),
+        )
+        for _ in range(count)
+    ]
 
 
 def forward(op):
     return {
         "softmax": lambda x, dy: quack.softmax(x),
-        "rms_norm": lambda x, w, dy: quack.rmsnorm(x, w, eps=1e-6),
+        "rms_norm": lambda x, w, dy: quack.rmsnorm(x, w, eps=EPS),
+        "layer_norm": lambda x, w, b, dy: layernorm_fwd(x, w, b, eps=EPS),
         "cross_entropy": lambda x, labels, dy: quack.cross_entropy(x, labels),
     }[op]
 
@@ -68,58 +77,102 @@ def forward_backward(op):
 
     def rms_norm(x, w, dy):
         x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
-        y = quack.rmsnorm(x, w, eps=1e-6)
+        y = quack.rmsnorm(x, w, eps=EPS)
         return y, torch.autograd.grad(y, (x, w), dy)
+
+    def layer_norm(x, w, b, dy):
+        y, rstd, mean = layernorm_fwd(x, w, b, eps=EPS, return_rstd=True, return_mean=True)
+        return y, layernorm_bwd(x, w, dy, rstd, mean, has_bias=True)
 
     def cross_entropy(x, labels, dy):
         x = x.detach().requires_grad_()
         return torch.autograd.grad(quack.cross_entropy(x, labels), x)
 
-    return {"softmax": softmax, "rms_norm": rms_norm, "cross_entropy": cross_entropy}[op]
+    return {
+        "softmax": softmax,
+        "rms_norm": rms_norm,
+        "layer_norm": layer_norm,
+        "cross_entropy": cross_entropy,
+    }[op]
 
 
-def time_per_call(fn, args, reps):
-    fn(*args[0])  # compiles the kernels
+def median_seconds(launch_round, rounds, reps):
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        for _ in range(3):
-            for a in args:
-                fn(*a)
+        for _ in range(rounds):
+            launch_round()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) / (3 * len(args))
+    return statistics.median(times) / rounds
+
+
+def time_per_call(fn, args, reps):
+    """Seconds per call: (eager, CUDA graph or None where capture failed)."""
+
+    def eager():
+        for a in args:
+            fn(*a)
+
+    eager()  # compiles the kernels; a second round settles the allocator
+    eager()
+    seconds = median_seconds(eager, 3, reps) / len(args)
+    if not GRAPHS["on"]:
+        return seconds, None
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            eager()
+    except Exception as error:  # a failed capture can leave the stream unusable: stop trying
+        print(f"  CUDA graph capture failed, eager only from here: {str(error)[:200]}")
+        GRAPHS["on"] = False
+        return seconds, None
+    graph.replay()
+    return seconds, median_seconds(graph.replay, 3, reps) / len(args)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--like", type=pathlib.Path, required=True, help="a bench --out folder")
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16"], choices=list(DTYPES))
     args = parser.parse_args(argv)
-    rows = []
-    for op, shapes in SHAPES.items():
-        for dtype in args.dtypes:
-            for m, n in shapes:
-                e = torch.finfo(DTYPES[dtype]).bits // 8
-                count = max(4, math.ceil(TARGET_BYTES / (2 * m * n * e)))
-                data = inputs(op, m, n, DTYPES[dtype], count)
-                row = dict(op=op, dtype=dtype, m=m, n=n, k=count)
-                for case, fn in (("fwd", forward(op)), ("fwd_bwd", forward_backward(op))):
-                    seconds = time_per_call(fn, data, args.reps)
-                    row[case] = seconds
-                    row[f"{case}_tbps"] = PASSES[op][case] * m * n * e / seconds / 1e12
-                rows.append(row)
-                print(row, flush=True)
-                del data
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-        meta["quack"] = quack.__version__
-        (args.out / "quack_torch.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    out = args.like / "quack_torch.json"
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
+    meta |= dict(quack=quack.__version__, cuda=torch.version.cuda)
+    # a rerun keeps the rows already timed (a device call's time limit can cut a run short)
+    rows = json.loads(out.read_text())["rows"] if out.exists() else []
+    done = {(r["op"], r["dtype"], r["m"], r["n"]) for r in rows}
+    todo = []
+    for path in args.like.glob("*.json"):
+        bench = json.loads(path.read_text())
+        if "passes" in bench.get("meta", {}):
+            todo += [(path.stem, bench["meta"]["passes"], r) for r in bench["rows"]]
+    todo.sort(key=lambda t: (t[2]["dtype"] != "bfloat16", t[0], t[2]["n"]))  # bf16 first
+    for op, passes, r in todo:
+        m, n, dtype = r["m"], r["n"], DTYPES[r["dtype"]]
+        if (op, r["dtype"], m, n) in done:
+            continue
+        e = dtype.itemsize
+        count = max(4, math.ceil(TARGET_BYTES / (2 * m * n * e)))
+        data = inputs(op, m, n, dtype, count)
+        row = dict(op=op, dtype=r["dtype"], m=m, n=n, k=count)
+        for case, fn in (("fwd", forward(op)), ("fwd_bwd", forward_backward(op))):
+            try:
+                eager, graph = time_per_call(fn, data, args.reps)
+            except Exception as error:  # recorded, and the report leaves the cell empty
+                row[f"{case}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                continue
+            row[f"{case}_eager"], row[f"{case}_graph"] = eager, graph
+            best = min(s for s in (eager, graph) if s is not None)
+            row[f"{case}_tbps"] = passes[f"quack_{case}"] * m * n * e / best / 1e12
+        rows.append(row)
+        print(row, flush=True)
+        out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        del data
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
