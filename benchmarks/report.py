@@ -52,13 +52,15 @@ def load(folder: pathlib.Path):
 
 
 def _rate(passes, r, key):
-    """TB/s of a bench row's entry ``key`` (seconds per application)."""
+    """TB/s of a bench row's entry ``key`` (seconds per application), None if not timed."""
+    if r[key] is None:
+        return None
     return passes[key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]] / r[key] / 1e12
 
 
 def ratio(row, case):
-    theirs = row["QuACK", case]
-    return None if theirs is None else row["quack_jax", case] / theirs
+    ours, theirs = row["quack_jax", case], row["QuACK", case]
+    return None if ours is None or theirs is None else ours / theirs
 
 
 def markdown(tables, meta, notes: str) -> str:
@@ -124,7 +126,7 @@ def plot(tables, path, title):
     axes = axes.reshape(len(tables), cols)
     for ax, (op, dtype, case) in zip(axes.flat, panels, strict=True):
         rows = [r for r in tables[op] if r["dtype"] == dtype]
-        series = {impl: [r[impl, case] or 0.0 for r in rows] for impl in IMPLS}
+        series = {impl: [r[impl, case] for r in rows] for impl in IMPLS}
         bar_panel(ax, rows, series, [r["copy"] for r in rows])
         ax.tick_params(labelsize=7)
         ax.set_title(f"{op} {case.replace('_', '+')}, {dtype}", fontsize=9)

@@ -6,6 +6,7 @@ import pathlib
 
 import pytest
 
+import quack_jax
 from quack_jax import bench
 
 
@@ -57,3 +58,23 @@ def test_report_beside_quack(bench_dir, monkeypatch):
     behind = text.split("## Where quack_jax is behind QuACK")[1]
     assert behind.count("0.50x") == 4 and "4096 x 1024" in behind
     assert (bench_dir / "report.png").stat().st_size > 10_000
+
+
+def test_bench_skips_kernels_it_cannot_get(monkeypatch, tmp_path, capsys):
+    """A wheel without CuTe-DSL lacks the unpackaged configs: those cells stay empty."""
+    timed = bench.time_per_call
+
+    def time_per_call(fn, inputs, reps, require_kernel=False):
+        if fn is quack_jax.softmax:
+            raise quack_jax.MissingKernelError("no cubin for softmax_fwd (n=1024)")
+        return timed(fn, inputs, reps, require_kernel)
+
+    monkeypatch.setattr(bench, "time_per_call", time_per_call)
+    args = ["--quick", "--ops", "softmax", "--dtypes", "float32", "--reps", "1"]
+    bench.main([*args, "--out", str(tmp_path)])
+    assert "quack_jax fwd float32 4096x1024 not timed: no cubin" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "softmax.json").read_text())["rows"]
+    assert all(r["quack_fwd"] is None and r["xla_fwd"] > 0 for r in rows)
+    table = (tmp_path / "softmax.md").read_text().splitlines()
+    cells = [c.strip() for c in next(x for x in table if "4096 x 1024" in x).split("|")]
+    assert cells[4] == "-" and cells[5] != "-" and cells[6] == "-"  # quack, XLA, speedup
