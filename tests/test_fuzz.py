@@ -7,6 +7,7 @@ through the kernels, on the row lengths whose kernels ``prebuild_cases()`` lists
 """
 
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -39,10 +40,14 @@ CE_OPTIONS = [
         ("none", "sum", "mean"), (0.0, 0.1), (0.0, 1e-4), (None, 30.0), (False, True)
     )
 ]
+# The same draws on every run, so CI is reproducible; QUACK_JAX_FUZZ_EXAMPLES=N runs N
+# fresh random draws per test instead (a failure prints its inputs).
+EXPLORE = int(os.environ.get("QUACK_JAX_FUZZ_EXAMPLES", "0"))
 SETTINGS = hypothesis.settings(
-    max_examples=40,
+    max_examples=EXPLORE or 40,
+    derandomize=not EXPLORE,
     deadline=None,
-    database=None,  # fresh draws each run; a failure prints its inputs
+    database=None,
     suppress_health_check=list(hypothesis.HealthCheck),
 )
 
@@ -231,7 +236,15 @@ def check_cross_entropy(x, dtype, options, seed):
     # with |lse| >= 1e4 lose that much of p (a known limit), so they are left out here
     small = np.abs(np.asarray(ref_lse)) < 1e4
     rows = finite_rows(x) & ~outside & small & np.isfinite(np.asarray(ref_grad)).all(axis=-1)
-    assert_matches(np.asarray(grad)[rows], np.asarray(ref_grad)[rows], dtype, "dlogits")
+    # an element is its row's cotangent times terms of size up to ~1 (p, the one-hot, the
+    # smoothing) that can cancel (one class: p - 1 = 0, leaving the z-loss term): the
+    # bound scales with the cotangent, not only with what is left
+    kept = max(np.sum(labels != -100), 1)
+    cotangent = np.where(labels == -100, 0.0, 1.0 / kept if reduction == "mean" else 1.0)
+    cotangent = cotangent + (1.0 if return_lse else 0.0)
+    mag = np.abs(np.asarray(ref_grad)) + cotangent[..., None]
+    grad, ref_grad = np.asarray(grad)[rows], np.asarray(ref_grad)[rows]
+    assert_matches(grad, ref_grad, dtype, "dlogits", mag[rows])
 
 
 # -- the tests ------------------------------------------------------------------------
@@ -264,7 +277,7 @@ def test_cross_entropy(data, options, seed):
     check_cross_entropy(*data, options, seed)
 
 
-GPU_SETTINGS = hypothesis.settings(SETTINGS, max_examples=60)
+GPU_SETTINGS = hypothesis.settings(SETTINGS, max_examples=EXPLORE or 60)
 
 
 @pytest.mark.gpu
