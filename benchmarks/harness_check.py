@@ -1,8 +1,8 @@
 """How much of QuACK's lead in the side-by-side report is the harness: a plain copy timed
 by PyTorch (as ``quack_torch.py`` times QuACK) against JAX's copy, and quack_jax's ops timed
 one jitted call per input from a Python loop (as PyTorch runs) against one jitted function
-over all K inputs (as ``quack_jax.bench`` runs). bfloat16-sized arrays, K inputs of about
-4 GB in all, median of 7 samples of 3 rounds.
+over all K inputs (``quack_jax.bench``'s own timing). bfloat16-sized arrays, K inputs of
+about 4 GB in all, median of 7 samples of 3 rounds.
 
     python benchmarks/harness_check.py torch    # needs torch and CUDA
     python benchmarks/harness_check.py jax      # on the GPU, with the cubins
@@ -78,6 +78,7 @@ def jax_ops():
     import jax.numpy as jnp
 
     import quack_jax
+    from quack_jax.bench import CALLS_PER_SAMPLE, time_per_call
 
     fns = {
         "softmax": (lambda x, labels, w: quack_jax.softmax(x), 2),
@@ -88,42 +89,30 @@ def jax_ops():
         size = m * n * E
         k = count(size)
         keys = jax.random.split(jax.random.key(0), k)
-        xs = [jax.random.normal(key, (m, n), jnp.bfloat16) for key in keys]
         labels, w = jnp.zeros((m,), jnp.int32), jnp.ones((n,), jnp.float32)
+        inputs = [(jax.random.normal(key, (m, n), jnp.bfloat16), labels, w) for key in keys]
         fn, passes = fns[op]
         one = jax.jit(fn)
-        many = jax.jit(lambda xs, fn=fn, labels=labels, w=w: [fn(x, labels, w) for x in xs])
-        words = [jax.random.normal(key, (size // 4,), jnp.float32) for key in keys]
-        copy = jax.jit(lambda ws: [v * 2 for v in ws])
 
-        def per_call(one=one, xs=xs, labels=labels, w=w):
-            for _ in range(3):
-                for x in xs:
-                    out = one(x, labels, w)
+        def per_call(one=one, inputs=inputs):
+            for _ in range(CALLS_PER_SAMPLE):
+                for args in inputs:
+                    out = one(*args)
             jax.block_until_ready(out)
 
-        def in_one(f, args):
-            def rounds():
-                for _ in range(3):
-                    out = f(args)
-                jax.block_until_ready(out)
-
-            return rounds
-
-        rates = []
-        for sample, moved in (
-            (per_call, passes),
-            (in_one(many, xs), passes),
-            (in_one(copy, words), 2),
-        ):
-            sample()
-            rates.append(moved * size / (median(sample) / (3 * k)) / 1e12)
+        per_call()
+        seconds = median(per_call) / (CALLS_PER_SAMPLE * k)
+        in_one = time_per_call(fn, inputs, 7)
+        del inputs
+        words = [(jax.random.normal(key, (size // 4,), jnp.float32),) for key in keys]
+        copy = time_per_call(lambda v: v * 2, words, 7)
+        del words
         print(
-            f"jax {op} {m}x{n} bf16 k={k}: per-call {rates[0]:.3f} K-in-one {rates[1]:.3f} "
-            f"TB/s; copy K-in-one {rates[2]:.3f}",
+            f"jax {op} {m}x{n} bf16 k={k}: per-call {passes * size / seconds / 1e12:.3f} "
+            f"K-in-one {passes * size / in_one / 1e12:.3f} TB/s; "
+            f"copy K-in-one {2 * size / copy / 1e12:.3f}",
             flush=True,
         )
-        del xs, words
 
 
 if __name__ == "__main__":

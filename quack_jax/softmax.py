@@ -32,8 +32,9 @@ def _compute_dtype(x):
 def _reference_forward(x, *, log: bool, row=WHOLE):
     x32 = x.astype(_compute_dtype(x))
     shifted = x32 - jax.lax.stop_gradient(row.max(x32))
-    total = row.sum(jnp.exp(shifted))
-    y = shifted - jnp.log(total) if log else jnp.exp(shifted) / total
+    e = jnp.exp(shifted)
+    total = row.sum(e)
+    y = shifted - jnp.log(total) if log else e / total
     return (y.astype(x.dtype),)
 
 
