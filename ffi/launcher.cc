@@ -9,7 +9,8 @@
 //   smem        i64     dynamic shared memory in bytes
 //   scalars     i32[]   32-bit scalar parameters (ints, or the bits of float32s)
 //   poison      i64     nonzero: fill the outputs with 0xff bytes (NaN in every float
-//                       dtype) before the launch, so tests catch elements a kernel misses
+//                       dtype) before the launch, so tests catch elements a kernel misses;
+//                       an output that aliases an input (written in place) is not filled
 // Kernel parameters, in order: one pointer per input buffer, one per output buffer, then
 // the scalars.
 //
@@ -18,6 +19,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -267,7 +269,9 @@ ffi::Error Execute(CUstream stream, ffi::RemainingArgs args, ffi::RemainingRets 
     auto buffer = rets.get<ffi::AnyBuffer>(i);
     if (buffer.has_error()) return buffer.error();
     void* data = (*buffer)->untyped_data();
-    if (poison) {
+    bool in_place = std::find(pointers.begin(), pointers.begin() + args.size(), data) !=
+                    pointers.begin() + args.size();
+    if (poison && !in_place) {
       CUresult s = GetDriver().memset_d8_async(reinterpret_cast<CUdeviceptr>(data), 0xff,
                                                (*buffer)->size_bytes(), stream);
       if (s != kCudaSuccess) return CudaError(s, kernel, "poisoning an output");

@@ -4,7 +4,8 @@ Forward: one read of the logits, per-row results only. Each thread keeps its sli
 the row in registers (the CTAs of a cluster share a long row, as in softmax); the row max
 and the sum of exponentials travel together in one reduction round trip, with the sum of
 the logits for label smoothing. One thread per row then reads the target logit from
-global memory (just loaded, so it is in L2) and writes
+global memory (just loaded, so it is in L2; with ``grad`` the thread that holds it in
+registers takes it from there instead, see below) and writes
     lse  = max + log(sum(exp(x - max)))
     loss = lse - (1 - smoothing) * x[label] - smoothing * mean(x) + z_loss * lse**2
 with loss 0 for a row whose label is ``ignore_index`` and NaN for a label outside
@@ -12,6 +13,8 @@ with loss 0 for a row whose label is ``ignore_index`` and NaN for a label outsid
 forward also writes the gradient of ``sum(w * loss)`` for per-row weights w (an input),
 from the row still in registers, by the backward's formula below with
 ``a = w * (1 + 2 * z_loss * lse)``, ``b = w * (1 - smoothing)``, ``c = w * smoothing / V``.
+That variant reads nothing of the row after its own registers, so the gradient may be
+written over the logits (in place: the caller aliases the two buffers).
 
 Backward: given lse, no reduction is left, so the kernel is elementwise: one read of the
 logits and one write of their gradient. The caller folds the cotangents and options into
@@ -51,6 +54,18 @@ class _CrossEntropy(RowKernel):
         if const_expr(self.softcap):
             return cute.math.tanh(x * (1.0 / cap)) * cap
         return x
+
+    @cute.jit
+    def pick(self, cta, x, label):
+        """Whether this thread holds column ``label`` of its row, and x there if so."""
+        frag = cute.make_rmem_tensor(x.shape, Float32)
+        frag.store(x)
+        held, value = cutlass.Boolean(False), Float32(0.0)
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            hit = cta.col0 + cta.tXcX[i][1] == label
+            held = held | hit
+            value = cutlass.select_(hit, frag[i], value)
+        return held, value
 
     @cute.jit
     def store_gradient(self, cta, x, label, lse, a, b, c, cap, out):
@@ -139,7 +154,11 @@ class CrossEntropyForward(_CrossEntropy):
         if cta.in_rows:
             label = _row_scalar(plabels, m, cta.row)
         ignored, outside = label == ignore_index, (label < 0) | (label >= n)
-        if cta.in_rows and cta.first_col:
+        writes_loss, target = cta.first_col, Float32(0.0)
+        if const_expr(self.grad):  # other threads may overwrite the row in memory now
+            held, target = self.pick(cta, x, label)
+            writes_loss = cutlass.select_(outside, cta.first_col, held)
+        elif cta.in_rows and cta.first_col:
             col = cutlass.select_(outside, Int32(0), label)
             row = cute.make_tensor(
                 cute.make_ptr(
@@ -152,13 +171,15 @@ class CrossEntropyForward(_CrossEntropy):
             target = Float32(row[0].to(Float32))
             if const_expr(self.softcap):
                 target = cute.math.tanh(target * (1.0 / cap)) * cap
+        if cta.in_rows and cta.first_col:
+            _row_scalar_set(plse, m, cta.row, lse)
+        if cta.in_rows and writes_loss:
             loss = lse - (1.0 - smoothing) * target
             loss = loss + cutlass.select_(z_loss == 0.0, Float32(0.0), z_loss * lse * lse)
             if const_expr(self.smoothing):
                 loss = loss - smoothing * (1.0 / n) * total
             loss = cutlass.select_(outside, Float32.nan, loss)
             _row_scalar_set(ploss, m, cta.row, cutlass.select_(ignored, Float32(0.0), loss))
-            _row_scalar_set(plse, m, cta.row, lse)
         if const_expr(self.grad):
             w = Float32(0.0)
             if cta.in_rows:

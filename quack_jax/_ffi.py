@@ -54,10 +54,12 @@ def call(
     cluster: tuple[int, int, int],
     scalars: tuple[int | float, ...],
     results,
+    aliases: dict[int, int] | None = None,
 ):
     """A function of the operands that launches ``kernel`` once: pointers to the operands
     then to the ``results`` (shape-dtype structs, row-major), then the ``scalars``, each
-    32 bits (ints as int32, floats as float32).
+    32 bits (ints as int32, floats as float32). ``aliases`` maps an operand's index to
+    the result written over it (the kernel works in place: one buffer for both).
 
     With ``QUACK_JAX_POISON_OUTPUTS=1`` at lowering time the launcher fills the outputs
     with NaN first, so a test sees any element the kernel fails to write.
@@ -78,5 +80,9 @@ def call(
         scalars=words,
         poison=np.int64(os.environ.get("QUACK_JAX_POISON_OUTPUTS") == "1"),
     )
-    launch = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results])
+    launch = jax.ffi.ffi_call(
+        TARGET,
+        [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results],
+        input_output_aliases=aliases,
+    )
     return lambda *operands: launch(*operands, **attributes)

@@ -90,21 +90,21 @@ def sharding_rule(roles_in: Sequence[str], roles_out: Sequence[str], lead: int) 
     return f"{side(roles_in)} -> {side(roles_out)}"
 
 
-def _names(axes) -> tuple:
+def names(axes) -> tuple:
     """The mesh axis names of one PartitionSpec entry."""
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
-def _count(mesh, axes) -> int:
-    return math.prod(mesh.shape[a] for a in _names(axes))
+def count(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in names(axes))
 
 
-def _dims_spec(mesh, sharding, aval) -> tuple:
+def dims_spec(mesh, sharding, aval) -> tuple:
     """The mesh axes of each dim of ``aval`` (the first operand) in ``sharding``; None for
     dims that are not sharded or that the mesh does not split evenly."""
     spec = tuple(getattr(sharding, "spec", ())) + (None,) * aval.ndim
     return tuple(
-        axes if _names(axes) and size % _count(mesh, axes) == 0 else None
+        axes if names(axes) and size % count(mesh, axes) == 0 else None
         for size, axes in zip(aval.shape, spec, strict=False)
     )
 
@@ -120,7 +120,7 @@ def _local(aval, role: str, lead: tuple, mesh):
     if role == VECTOR:
         return aval
     dims = (*lead, None) if role == ROWS else lead
-    shape = tuple(size // _count(mesh, axes) for size, axes in zip(aval.shape, dims, strict=True))
+    shape = tuple(size // count(mesh, axes) for size, axes in zip(aval.shape, dims, strict=True))
     return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
@@ -149,7 +149,7 @@ def partitioned(
         return tuple(whole(*operands))
 
     def shardings(mesh, arg_shapes):
-        *lead, cols = _dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])
+        *lead, cols = dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])
         return (
             tuple(lead),
             cols,
@@ -163,13 +163,13 @@ def partitioned(
     def partition(mesh, arg_shapes, result_shape):
         lead, cols, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
         if cols is not None:
-            local = split(Row(_names(cols), _count(mesh, cols)))
+            local = split(Row(names(cols), count(mesh, cols)))
         else:
             local = make(
                 [_local(a, r, lead, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
                 [_local(a, r, lead, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
             )
-        axes = tuple(name for a in lead for name in _names(a))
+        axes = tuple(name for a in lead for name in names(a))
 
         def lower(*operands):
             outs = list(local(*operands))
@@ -191,8 +191,14 @@ def partitioned(
         sharding_rule=sharding_rule(roles_in, roles_out, lead_rank),
         **factors,
     )
+    return in_auto_axes(op, avals_in, avals_out)
+
+
+def in_auto_axes(op, avals_in, avals_out):
+    """``op`` (a ``custom_partitioning`` function) as it runs under explicit sharding:
+    its rule decides the shardings, and the results keep the types' shardings."""
     explicit = avals_in[0].sharding.mesh.explicit_axes
-    if explicit:  # the rule decides the shardings; the results keep the types' shardings
+    if explicit:
         return jax.sharding.auto_axes(
             op, axes=explicit, out_sharding=tuple(a.sharding for a in avals_out)
         )

@@ -87,14 +87,17 @@ def row_tiling(aval, family: str, vec_itemsize=None, live=None, staged_bytes=Non
     return None
 
 
-def kernel_call(target: Target, op, aval, tiling, results, scalars=(), variant=(), cluster=True):
+def kernel_call(
+    target: Target, op, aval, tiling, results, scalars=(), variant=(), cluster=True, aliases=None
+):
     """A function of the operands that launches kernel ``op`` once per row block of rows
     like ``aval``'s, with scalars ``(m, *scalars)``; without ``cluster`` the CTAs that
-    share a row are launched as plain CTAs (kernels that do not reduce across them)."""
+    share a row are launched as plain CTAs (kernels that do not reduce across them).
+    ``aliases``: results written over operands (see ``_ffi.call``)."""
     m = rows(aval)
     kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
     dims = tiling.cluster if cluster else (1, 1, 1)
-    return _ffi.call(kernel, tiling.grid(m), tiling.block, dims, (m, *scalars), results)
+    return _ffi.call(kernel, tiling.grid(m), tiling.block, dims, (m, *scalars), results, aliases)
 
 
 def resident_ctas(kernel, tiling, sms: int) -> int:

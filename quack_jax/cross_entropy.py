@@ -54,7 +54,10 @@ def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0)
 
 
 # -- forward: (logits, labels, [w]) -> (loss, lse, [dlogits]) ----------------------
-# With ``grad``, dlogits is the gradient of sum(w * loss) for per-row weights w.
+# With ``grad``, dlogits is the gradient of sum(w * loss) for per-row weights w. With
+# ``inplace`` (and ``grad``), the kernel writes dlogits over the logits: one buffer for
+# both, for callers whose logits are a temporary (linear_cross_entropy). The reference
+# ignores it (XLA reuses dead buffers itself).
 
 
 def _pick(x, columns):
@@ -75,7 +78,7 @@ def _row_loss(lse, target, mean, labels, n, *, ignore_index, smoothing, z_loss):
     return jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
 
 
-def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad):
+def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad, inplace):
     logits, labels = operands[:2]
     x = _capped(logits, softcap)
     n = x.shape[-1]
@@ -93,7 +96,7 @@ def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad
     outs = [loss.astype(lse.dtype), lse]
     if grad:
         a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, operands[2])
-        outs += _reference_backward(logits, labels, lse, a, b, c, softcap=softcap)
+        outs += _reference_backward(logits, labels, lse, a, b, c, softcap=softcap, inplace=inplace)
     return outs
 
 
@@ -102,7 +105,7 @@ def _forward_abstract(x, *_, grad, **__):
 
 
 def _forward_kernel(
-    target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap, grad
+    target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap, grad, inplace
 ):
     x = avals_in[0]
     tiling = row_tiling(x, "ce_fwd", live=1 + bool(smoothing))
@@ -114,7 +117,10 @@ def _forward_kernel(
         + (("grad", True),) * grad
     )
     scalars = (int(ignore_index), float(smoothing), float(z_loss), float(softcap or 0.0))
-    return kernel_call(target, "cross_entropy_fwd", x, tiling, avals_out, scalars, variant)
+    aliases = {0: 2} if inplace else None
+    return kernel_call(
+        target, "cross_entropy_fwd", x, tiling, avals_out, scalars, variant, aliases=aliases
+    )
 
 
 _forward = RowwisePrimitive(
@@ -128,9 +134,10 @@ _forward = RowwisePrimitive(
 
 
 # -- backward: (logits, labels, lse, a, b, c) -> dlogits ----------------------------
+# ``inplace``: dlogits is written over the logits, as in the forward.
 
 
-def _reference_backward(logits, labels, lse, a, b, c, *, softcap):
+def _reference_backward(logits, labels, lse, a, b, c, *, softcap, inplace):
     x = _capped(logits, softcap)
     p = jnp.exp(x - lse[..., None])
     a, b, c = (v[..., None] for v in (a, b, c))
@@ -142,7 +149,7 @@ def _reference_backward(logits, labels, lse, a, b, c, *, softcap):
     return [dx.astype(logits.dtype)]
 
 
-def _backward_kernel(target: Target, avals_in, avals_out, *, softcap):
+def _backward_kernel(target: Target, avals_in, avals_out, *, softcap, inplace):
     x = avals_in[0]
     tiling = row_tiling(x, "ce_bwd")
     if tiling is None:
@@ -150,7 +157,15 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, softcap):
     variant = (("softcap", True),) if softcap is not None else ()
     scalars = (float(softcap or 0.0),)
     return kernel_call(
-        target, "cross_entropy_bwd", x, tiling, avals_out, scalars, variant, cluster=False
+        target,
+        "cross_entropy_bwd",
+        x,
+        tiling,
+        avals_out,
+        scalars,
+        variant,
+        cluster=False,
+        aliases={0: 0} if inplace else None,
     )
 
 
@@ -166,14 +181,26 @@ _backward = RowwisePrimitive(
 # -- a vocabulary split across devices (a tensor-parallel LM head) -------------------
 
 
-def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad):
+def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inplace):
     """The forward on one device's slice of the vocabulary (``row``): the slices'
     logsumexp combined with pmax and psum, the target logit from the slice that holds it,
     then the loss. With ``grad``, the gradient comes from the backward kernel on the
-    slice, which needs the combined lse."""
+    slice, which needs the combined lse. For a whole row, the forward kernel alone."""
     axes = row.axes
 
     def local(logits, labels, *weights):
+        if not axes:
+            return _forward.bind(
+                logits,
+                labels,
+                *weights,
+                ignore_index=ignore_index,
+                smoothing=smoothing,
+                z_loss=z_loss,
+                softcap=softcap,
+                grad=grad,
+                inplace=inplace,
+            )
         width = logits.shape[-1]
         n = width * row.count
         here = labels - row.start(width)
@@ -185,6 +212,7 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad):
             z_loss=0.0,
             softcap=softcap,
             grad=False,
+            inplace=False,
         )
         top = jax.lax.pmax(lse_slice, axes)
         shift = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -205,18 +233,18 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad):
         outs = [loss, lse]
         if grad:
             a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, weights[0])
-            outs += _backward.bind(logits, here, lse, a, b, c, softcap=softcap)
+            outs += _backward.bind(logits, here, lse, a, b, c, softcap=softcap, inplace=inplace)
         return outs
 
     return local
 
 
-def _backward_split(row, *, softcap):
+def _backward_split(row, *, softcap, inplace):
     """The backward on one device's slice: the label's column counted from the slice."""
 
     def local(logits, labels, lse, a, b, c):
         here = labels - row.start(logits.shape[-1])
-        return _backward.bind(logits, here, lse, a, b, c, softcap=softcap)
+        return _backward.bind(logits, here, lse, a, b, c, softcap=softcap, inplace=inplace)
 
     return local
 
@@ -239,6 +267,7 @@ def _bind_forward(logits, labels, cfg, *weights):
         z_loss=z_loss,
         softcap=softcap,
         grad=bool(weights),
+        inplace=False,
     )
 
 
@@ -258,7 +287,7 @@ def _per_row_backward(cfg, saved, cotangents):
     g_loss, g_lse = cotangents
     n = logits.shape[-1]
     a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g_loss, g_lse)
-    (dlogits,) = _backward.bind(logits, labels, lse, a, b, c, softcap=softcap)
+    (dlogits,) = _backward.bind(logits, labels, lse, a, b, c, softcap=softcap, inplace=False)
     return dlogits, None
 
 
@@ -315,7 +344,30 @@ def _real(fn: str, name: str, value, low: float, high: float | None = None) -> f
     return value
 
 
-def _labels(fn: str, labels, shape) -> jax.Array:
+def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse):
+    """The checked options of a cross-entropy, as ``(ignore_index, label_smoothing,
+    z_loss, logit_softcap)``; errors name ``fn`` and the argument."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(
+            f"{fn}: ignore_index must be a Python int, got {type(ignore_index).__name__}"
+        )
+    if not _INT32.min <= ignore_index <= _INT32.max:
+        raise ValueError(f"{fn}: ignore_index must fit in int32, got {ignore_index}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    smoothing = _real(fn, "label_smoothing", label_smoothing, 0.0, 1.0)
+    z_loss = _real(fn, "z_loss", z_loss, 0.0)
+    softcap = None
+    if logit_softcap is not None:
+        softcap = _real(fn, "logit_softcap", logit_softcap, 0.0)
+        if softcap == 0.0:
+            raise ValueError(f"{fn}: logit_softcap must be positive or None, got 0.0")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
+    return (int(ignore_index), smoothing, z_loss, softcap)
+
+
+def labels_of(fn: str, labels, shape) -> jax.Array:
     """``labels`` as int32 of the logits' leading shape; values beyond int32 are clipped
     (they stay out of range)."""
     if not (hasattr(labels, "shape") and hasattr(labels, "dtype")):
@@ -383,25 +435,8 @@ def cross_entropy(
     """
     fn = "cross_entropy"
     logits = float_array(fn, "logits", logits)
-    labels = _labels(fn, labels, logits.shape[:-1])
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(
-            f"{fn}: ignore_index must be a Python int, got {type(ignore_index).__name__}"
-        )
-    if not _INT32.min <= ignore_index <= _INT32.max:
-        raise ValueError(f"{fn}: ignore_index must fit in int32, got {ignore_index}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    smoothing = _real(fn, "label_smoothing", label_smoothing, 0.0, 1.0)
-    z_loss = _real(fn, "z_loss", z_loss, 0.0)
-    softcap = None
-    if logit_softcap is not None:
-        softcap = _real(fn, "logit_softcap", logit_softcap, 0.0)
-        if softcap == 0.0:
-            raise ValueError(f"{fn}: logit_softcap must be positive or None, got 0.0")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
-    cfg = (int(ignore_index), smoothing, z_loss, softcap)
+    labels = labels_of(fn, labels, logits.shape[:-1])
+    cfg = options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse)
     if reduction != "none" and not return_lse:
         return _reduced(logits, labels, cfg, reduction == "mean")
     loss, lse = _per_row(logits, labels, cfg)
@@ -426,7 +461,7 @@ def softmax_cross_entropy_with_integer_labels(
     logits = float_array(fn, "logits", logits)
     axis = axis_index(fn, axis, logits.ndim)
     logits = jnp.moveaxis(logits, axis, -1)
-    labels = _labels(fn, labels, logits.shape[:-1])
+    labels = labels_of(fn, labels, logits.shape[:-1])
     n = logits.shape[-1]
     if where is not None and jnp.ndim(where) == logits.ndim:
         where = jnp.moveaxis(jnp.asarray(where), axis, -1)
