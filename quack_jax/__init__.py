@@ -8,6 +8,7 @@ reference with the same semantics.
 from . import _ffi, export
 from ._cache import MissingKernelError
 from .cross_entropy import cross_entropy, softmax_cross_entropy_with_integer_labels
+from .linear_cross_entropy import linear_cross_entropy
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
@@ -20,6 +21,7 @@ __all__ = [
     "cross_entropy",
     "export",
     "layer_norm",
+    "linear_cross_entropy",
     "log_softmax",
     "rms_norm",
     "softmax",
