@@ -4,6 +4,7 @@
     python benchmarks/prebuild.py --cache .cubins --tune   # and the tuner's candidates
 
     python benchmarks/prebuild.py --cache .cubins --tune cross_entropy  # one op's only
+    python benchmarks/prebuild.py --cache .cubins --only test_gpu_cross_entropy linear_ce
 
 Softmax kernels are listed as configs (``specs``) and built directly. The norm and
 cross-entropy kernels are built by lowering the benchmark's quack_jax functions (and the
@@ -45,11 +46,13 @@ LOWERED = ("rms_norm", "layer_norm", "cross_entropy")
 CASE_MODULES = (
     "test_gpu_norm",
     "test_gpu_cross_entropy",
+    "test_gpu_linear_cross_entropy",
     "test_gpu_sharding",
     "test_fuzz",
     "test_export",
     "sharded",
     "train_lm",
+    "linear_ce",
 )
 
 
@@ -104,10 +107,10 @@ def tuning_lowerings(defaults, ops=LOWERED) -> list[Lowering]:
     return out
 
 
-def case_lowerings() -> list[Lowering]:
+def case_lowerings(modules=CASE_MODULES) -> list[Lowering]:
     """``prebuild_cases()`` of the GPU test modules and scripts that list them."""
     out = []
-    for name in CASE_MODULES:
+    for name in modules:
         module = importlib.import_module(name)
         for i, (fn, args) in enumerate(module.prebuild_cases()):
             x = jax.tree.leaves(args)[0]
@@ -175,8 +178,14 @@ def main():
     parser.add_argument(
         "--tune", nargs="*", metavar="OP", help="also the tuner's candidates (of these ops; all)"
     )
+    parser.add_argument(
+        "--only", nargs="+", choices=CASE_MODULES, help="only these modules' prebuild_cases()"
+    )
     args = parser.parse_args()
     os.environ["QUACK_JAX_CACHE"] = args.cache
+    if args.only:
+        lower_for_cuda(case_lowerings(args.only), "the cases of " + ", ".join(args.only))
+        return
     tune = [] if args.tune is None else args.tune or ["softmax", *LOWERED]
     build(specs("softmax" in tune), ARCH)
     kernels = build_lowered([op for op in tune if op in LOWERED])

@@ -28,6 +28,8 @@ go to separate CTAs (no cluster).
 
 from __future__ import annotations
 
+import functools
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -105,6 +107,16 @@ class CrossEntropyForward(_CrossEntropy):
         labels = self.pointer(Int32, False)
         return (self.pointer(self.dtype), labels, *row_weights, *outputs, *scalars)
 
+    def row_loss(self, ploss, m, row, lse, total, ignored, outside, target, smoothing, z_loss):
+        """Write the loss of ``row`` from its lse, the target logit and the sum of its logits."""
+        n = self.tiling.n
+        loss = lse - (1.0 - smoothing) * target
+        loss = loss + cutlass.select_(z_loss == 0.0, Float32(0.0), z_loss * lse * lse)
+        if const_expr(self.smoothing):
+            loss = loss - smoothing * (1.0 / n) * total
+        loss = cutlass.select_(outside, Float32.nan, loss)
+        _row_scalar_set(ploss, m, row, cutlass.select_(ignored, Float32(0.0), loss))
+
     @cute.jit
     def __call__(
         self,
@@ -154,10 +166,13 @@ class CrossEntropyForward(_CrossEntropy):
         if cta.in_rows:
             label = _row_scalar(plabels, m, cta.row)
         ignored, outside = label == ignore_index, (label < 0) | (label >= n)
-        writes_loss, target = cta.first_col, Float32(0.0)
+        row_loss = functools.partial(self.row_loss, ploss, m, cta.row, lse, total, ignored, outside)
         if const_expr(self.grad):  # other threads may overwrite the row in memory now
             held, target = self.pick(cta, x, label)
-            writes_loss = cutlass.select_(outside, cta.first_col, held)
+            if cta.in_rows and cta.first_col:
+                _row_scalar_set(plse, m, cta.row, lse)
+            if cta.in_rows and cutlass.select_(outside, cta.first_col, held):
+                row_loss(target, smoothing, z_loss)
         elif cta.in_rows and cta.first_col:
             col = cutlass.select_(outside, Int32(0), label)
             row = cute.make_tensor(
@@ -171,15 +186,8 @@ class CrossEntropyForward(_CrossEntropy):
             target = Float32(row[0].to(Float32))
             if const_expr(self.softcap):
                 target = cute.math.tanh(target * (1.0 / cap)) * cap
-        if cta.in_rows and cta.first_col:
+            row_loss(target, smoothing, z_loss)
             _row_scalar_set(plse, m, cta.row, lse)
-        if cta.in_rows and writes_loss:
-            loss = lse - (1.0 - smoothing) * target
-            loss = loss + cutlass.select_(z_loss == 0.0, Float32(0.0), z_loss * lse * lse)
-            if const_expr(self.smoothing):
-                loss = loss - smoothing * (1.0 / n) * total
-            loss = cutlass.select_(outside, Float32.nan, loss)
-            _row_scalar_set(ploss, m, cta.row, cutlass.select_(ignored, Float32(0.0), loss))
         if const_expr(self.grad):
             w = Float32(0.0)
             if cta.in_rows:
