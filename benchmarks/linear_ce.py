@@ -56,7 +56,7 @@ GB = 1e9
 # (tokens, hidden, vocabulary): Llama 3 8B, Gemma 2 2B, Qwen 2.5 7B heads, then twice the tokens
 SHAPES = [(16384, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 152064)]
 SHAPES += [(2 * t, d, v) for t, d, v in SHAPES]
-OOM_SHAPE = (163840, 4096, 152064)
+OOM_SHAPE = (196608, 4096, 152064)
 SHARDED_SHAPES = [(16384, 4096, 128256), (8192, 2304, 256000)]
 VARIANTS = ("gemms", "xla", "unfused", "fused", "tokamax", "tokamax_chunked")
 MEM_FRACTION = "0.95"
