@@ -1,32 +1,48 @@
-"""Train a decoder-only language model (flax.nnx) twice from the same seed on the same
-batches: with stock Flax/optax layers and with quack_jax's, and compare the loss curves,
-the step time, tokens/s and the peak device memory.
+"""Train a decoder-only language model (flax.nnx) three times from the same seed on the
+same batches: with stock Flax/optax layers, with quack_jax's, and with quack_jax's and an
+LM head fused with the loss; and compare the loss curves, the step time, tokens/s and the
+peak device memory (and, with ``--max-batch``, the largest batch that fits).
 
     python benchmarks/train_lm.py --config tiny --steps 20 --out DIR   # CPU, < 1 minute
     python benchmarks/train_lm.py --config h200 --steps 200 --out DIR  # one H200
     python benchmarks/train_lm.py --config h200 --devices 2 --out DIR  # data parallel
     python benchmarks/train_lm.py --config h200 --devices 2 --vocab-parallel 2 --out DIR
+    python benchmarks/train_lm.py --config h200 --max-batch --out DIR  # and the batch limit
 
 The model: token embedding, pre-norm blocks (RMSNorm, causal softmax attention in plain
 JAX, RMSNorm, GELU MLP), a final RMSNorm and an untied LM head; bfloat16 activations,
-float32 parameters, AdamW. The two variants share every line but three: the norm class
-(``flax.nnx.RMSNorm`` or ``quack_jax.flax.nnx.RMSNorm``), the attention softmax
-(``jax.nn.softmax`` in float32 or ``quack_jax.softmax``) and the loss (optax's
-``softmax_cross_entropy_with_integer_labels`` on float32 logits, or
-``quack_jax.cross_entropy`` on the bfloat16 logits).
+float32 parameters, AdamW. The variants ("stock", "quack", "quack_jax_fused") share every
+line but these: the norm class (``flax.nnx.RMSNorm``, or ``quack_jax.flax.nnx.RMSNorm`` in
+both quack_jax variants), the attention softmax (``jax.nn.softmax`` in float32, or
+``quack_jax.softmax``) and the loss: optax's ``softmax_cross_entropy_with_integer_labels``
+on float32 logits ("stock"), ``quack_jax.cross_entropy`` on the bfloat16 logits ("quack"),
+or the LM head and the loss in one, ``quack_jax.flax.nnx.linear_cross_entropy(head, x,
+targets)``, which never makes the (tokens, vocabulary) logits ("quack_jax_fused").
 
 The data is Python's own standard library source (the ``.py`` files of the running
 interpreter's stdlib, nothing downloaded), tokenised by a word-level tokenizer built from
 that text: the 256 bytes plus its most frequent pieces (words with their leading space,
 runs of punctuation, runs of whitespace) up to the vocabulary size; a piece outside the
-vocabulary is spelled in bytes. Batches are random windows, the same for both variants.
+vocabulary is spelled in bytes. Batches are random windows, the same for every variant.
 
 Each variant runs in its own process (so its peak memory is its own); the parent writes
-``train_<config>.json`` (per-step loss and time, tokens/s, peak memory) and
-``train_<config>.png`` (both loss curves, step times). ``--profile`` also traces a few
-steps of each variant in one more process (with XLA's command buffers off, so that each
-kernel is tied to its instruction) and reports the device time of each part of the model
-(by ``jax.named_scope``).
+``train_<config>.json`` (per-step loss and time, tokens/s, peak memory),
+``train_<config>.md`` (the summary table) and ``train_<config>.png`` (the loss curves,
+step times). ``--profile`` also traces a few steps of each variant in one more process
+(with XLA's command buffers off, so that each kernel is tied to its instruction) and
+reports the device time of each part of the model (by ``jax.named_scope``; the fused
+variant's head and loss are one part, "lm_head_cross_entropy").
+
+``--max-batch``: before training, each variant's process also finds the largest batch
+(sequences per step) whose jitted train step fits the device memory, without running
+it: the step is compiled for abstract parameters, optimiser state and batch (nothing is
+allocated), and its ``memory_analysis()`` (arguments + outputs + temporaries, less the
+outputs that the donated parameters and optimiser state alias) is held against the
+device's ``memory_stats()["bytes_limit"]``. The batch doubles from the config's until a
+step does not fit (or reaches ``MAX_BATCH_CAP``), then a bisection finds the largest
+that fits, in multiples of the data-parallel size. A device without ``memory_stats``
+(the CPU) cannot be judged: the search is skipped and says so. The result goes in the
+JSON (each run's ``max_batch``) and in a column of the summary table.
 """
 
 from __future__ import annotations
@@ -48,8 +64,10 @@ import time
 
 import numpy as np
 
-VARIANTS = ("stock", "quack")
+VARIANTS = ("stock", "quack", "quack_jax_fused")
+QUACK_VARIANTS = ("quack", "quack_jax_fused")  # quack_jax's norm and softmax
 WARMUP = 5  # steps left out of the step time: compilation and the first launches
+MAX_BATCH_CAP = 1 << 16  # --max-batch: the most sequences per step it tries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +161,7 @@ def build(cfg: Config, variant: str):
     import quack_jax
     from quack_jax.flax import nnx as qnnx
 
-    quack = variant == "quack"
+    quack, fused = variant in QUACK_VARIANTS, variant == "quack_jax_fused"
     norm_cls = qnnx.RMSNorm if quack else nnx.RMSNorm
     bf16, f32 = jnp.bfloat16, jnp.float32
     init = nnx.initializers.normal(0.02)
@@ -198,12 +216,16 @@ def build(cfg: Config, variant: str):
             self.norm = norm(rngs)
             self.head = linear(cfg.d, cfg.vocab, rngs)
 
-        def __call__(self, tokens):
+        def features(self, tokens):
+            """The LM head's input: the final norm of the last block's output."""
             h = self.embed(tokens)
             for block in self.blocks:
                 h = block(h)
             with jax.named_scope("norm"):
-                x = self.norm(h)
+                return self.norm(h)
+
+        def __call__(self, tokens):
+            x = self.features(tokens)
             with jax.named_scope("lm_head"):
                 return self.head(x)
 
@@ -211,29 +233,44 @@ def build(cfg: Config, variant: str):
         return LM(nnx.Rngs(seed))
 
     def loss_fn(params, graphdef, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
+        model = nnx.merge(graphdef, params)
+        if fused:  # the head's GEMMs and the loss in one op, without the logits
+            x = model.features(inputs)
+            with jax.named_scope("lm_head_cross_entropy"):
+                return qnnx.linear_cross_entropy(model.head, x, targets)
+        logits = model(inputs)
         with jax.named_scope("cross_entropy"):
             return loss_of(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
 
     return make, loss_fn
 
 
-def prebuild_cases():
-    """The quack_jax variant's gradient at the h200 config (abstract: no parameters are
-    made), for ``prebuild.py``: its kernels are the ones the training run launches."""
+def variant_grad(cfg: Config, variant: str):
+    """A function of (params, inputs, targets), the gradient of ``variant``'s loss, and
+    its abstract parameters (none are made)."""
     import jax
     from flax import nnx
 
-    import quack_jax
-
-    cfg = CONFIGS["h200"]
-    make, loss_fn = build(cfg, "quack")
+    make, loss_fn = build(cfg, variant)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: make(0)), nnx.Param)
-    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), "int32")
 
     def grad(params, inputs, targets):
         return jax.grad(loss_fn)(params, graphdef, inputs, targets)
 
+    return grad, params
+
+
+def prebuild_cases():
+    """The quack_jax variants' gradients at the h200 config (abstract: no parameters are
+    made), for ``prebuild.py``: their kernels are the ones the training runs launch
+    (``--max-batch`` changes the rows only, not the kernels)."""
+    import jax
+
+    import quack_jax
+
+    cfg = CONFIGS["h200"]
+    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), "int32")
+    grad, params = variant_grad(cfg, "quack")
     yield grad, (params, tokens, tokens)
     # --vocab-parallel 2: each device's slice of the logits goes through the per-row
     # forward (its lse) and the backward kernels
@@ -241,6 +278,71 @@ def prebuild_cases():
     labels = jax.ShapeDtypeStruct((cfg.batch * cfg.seq,), "int32")
     per_row = jax.grad(lambda x, y: quack_jax.cross_entropy(x, y, reduction="none").sum())
     yield per_row, (half, labels)
+    # quack_jax_fused: linear_cross_entropy's chunks of the whole vocabulary go through
+    # the forward that writes the gradient in place of the logits
+    grad, params = variant_grad(cfg, "quack_jax_fused")
+    yield grad, (params, tokens, tokens)
+    # quack_jax_fused with --vocab-parallel 2: each device's chunks of its (d, V/2) slice
+    # go through the forward without the gradient (the slice's lse) and the backward
+    # written in place, as linear_cross_entropy's per-row loss on one device launches
+    h = jax.ShapeDtypeStruct((cfg.batch * cfg.seq, cfg.d), "bfloat16")
+    w = jax.ShapeDtypeStruct((cfg.d, cfg.vocab // 2), "bfloat16")
+
+    def per_row_loss(h, w, y):
+        return quack_jax.linear_cross_entropy(h, w, y, reduction="none").sum()
+
+    yield jax.grad(per_row_loss, argnums=(0, 1)), (h, w, labels)
+
+
+def setup(cfg, variant, steps, devices, seed, vocab_parallel, abstract=False):
+    """``variant``'s parameters and AdamW state placed on ``devices`` devices (data
+    parallel, the LM head split by vocabulary over ``vocab_parallel`` of them), its jitted
+    train step (parameters and optimiser state donated) and the batch's sharding. With
+    ``abstract`` the parameters and state are ``jax.ShapeDtypeStruct`` of the shapes,
+    dtypes and shardings that the real ones have: nothing is made or allocated."""
+    import jax
+    import optax
+    from flax import nnx
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    make, loss_fn = build(cfg, variant)
+    model = nnx.eval_shape(lambda: make(seed)) if abstract else make(seed)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, cfg.lr, 20, max(steps, 21)))
+    mesh = jax.make_mesh(
+        (devices // vocab_parallel, vocab_parallel),
+        ("data", "model"),
+        axis_types=(AxisType.Auto,) * 2,
+        devices=jax.devices()[:devices],
+    )
+    by_rows = NamedSharding(mesh, PartitionSpec("data"))
+
+    def placement(path, _):
+        head = any(getattr(k, "key", None) == "head" for k in path)
+        return NamedSharding(mesh, PartitionSpec(None, "model") if head else PartitionSpec())
+
+    shardings = jax.tree_util.tree_map_with_path(placement, params)
+    if abstract:
+
+        def like(a, sharding):
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+
+        params = jax.tree.map(like, params, shardings)
+        # no sharding: jax.jit(tx.init) makes the real state uncommitted, which leaves its
+        # placement to the step's compilation
+        opt_state = jax.eval_shape(tx.init, params)
+    else:
+        params = jax.device_put(params, shardings)
+        opt_state = jax.jit(tx.init)(params)
+
+    @jax.jit(donate_argnums=(0, 1))
+    def step(params, opt_state, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, inputs, targets)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    return params, opt_state, step, by_rows
 
 
 def train(
@@ -256,38 +358,11 @@ def train(
     the logits) split by vocabulary over ``vocab_parallel`` of them. Returns the record
     (per-step loss and seconds, peak memory)."""
     import jax
-    import optax
-    from flax import nnx
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     import quack_jax
     from quack_jax._primitive import KERNEL_ARCHS
 
-    make, loss_fn = build(cfg, variant)
-    graphdef, params = nnx.split(make(seed), nnx.Param)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, cfg.lr, 20, max(steps, 21)))
-    mesh = jax.make_mesh(
-        (devices // vocab_parallel, vocab_parallel),
-        ("data", "model"),
-        axis_types=(AxisType.Auto,) * 2,
-        devices=jax.devices()[:devices],
-    )
-    by_rows = NamedSharding(mesh, PartitionSpec("data"))
-
-    def placement(path, _):
-        head = any(getattr(k, "key", None) == "head" for k in path)
-        return NamedSharding(mesh, PartitionSpec(None, "model") if head else PartitionSpec())
-
-    params = jax.device_put(params, jax.tree_util.tree_map_with_path(placement, params))
-    opt_state = jax.jit(tx.init)(params)
-
-    @jax.jit(donate_argnums=(0, 1))
-    def step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, graphdef, inputs, targets)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
+    params, opt_state, step, by_rows = setup(cfg, variant, steps, devices, seed, vocab_parallel)
     tokens, pieces = cached_tokens(cfg)
     losses, seconds = [], []
     bar = Progress(steps, variant)
@@ -314,7 +389,7 @@ def train(
     return dict(
         variant=variant,
         device=f"{devices} x {jax.devices()[0].device_kind}",
-        mesh=dict(mesh.shape),
+        mesh=dict(by_rows.mesh.shape),
         kernels=jax.devices()[0].platform == "gpu"
         and getattr(jax.devices()[0], "compute_capability", "") in KERNEL_ARCHS,
         jax=jax.__version__,
@@ -327,6 +402,103 @@ def train(
         tokens_per_s=cfg.batch * cfg.seq / statistics.median(steady),
         peak_bytes=max((s.get("peak_bytes_in_use", 0) for s in stats), default=None) or None,
         profile=shares,
+    )
+
+
+def step_bytes(compiled) -> dict:
+    """What a compiled step needs on a device, from its ``memory_analysis()``: arguments,
+    outputs and temporaries, less the outputs that alias donated arguments."""
+    m = compiled.memory_analysis()
+    parts = {
+        k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+        for k in ("argument", "output", "temp", "alias", "generated_code")
+    }
+    parts["total"] = parts["argument"] + parts["output"] + parts["temp"] - parts["alias"]
+    return parts
+
+
+def largest(fits, start: int, unit: int, cap: int) -> tuple[int, bool]:
+    """The largest multiple of ``unit`` for which ``fits`` (true up to some size, false
+    beyond it) holds, and whether ``cap`` stopped the search: doubling from ``start`` (a
+    multiple of ``unit``) until it does not fit or would pass ``cap``, then bisecting. 0
+    where not even ``unit`` fits."""
+    lo, hi, capped = 0, start, False
+    if fits(start):
+        lo, hi = start, None
+        while hi is None:
+            if 2 * lo > cap:
+                capped = True
+                break
+            if fits(2 * lo):
+                lo *= 2
+            else:
+                hi = 2 * lo
+    while hi is not None and hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, capped
+
+
+def max_batch(
+    cfg: Config, variant: str, devices: int, seed: int, vocab_parallel=1, limit=None
+) -> dict:
+    """The largest batch (sequences per step, a multiple of the data-parallel size) whose
+    jitted train step fits the device memory, judged from the compiled step's memory
+    analysis against ``limit`` (default: the device's ``memory_stats()["bytes_limit"]``);
+    the step never runs. See ``largest`` for the search (from ``cfg.batch``, at most
+    ``MAX_BATCH_CAP``). Returns the record: ``batch`` (None where it cannot judge, with
+    ``reason``), ``bytes`` (its step's ``step_bytes``), ``limit``, ``capped``, ``unit``
+    and the ``step_bytes`` of every batch tried."""
+    import jax
+
+    device = jax.devices()[0]
+    if limit is None:
+        limit = (device.memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        reason = (
+            f"the {device.platform} device reports no memory_stats()['bytes_limit']: cannot "
+            "judge which batch fits, skipped"
+        )
+        print(f"{variant}: --max-batch: {reason}", file=sys.stderr, flush=True)
+        return dict(batch=None, reason=reason)
+    params, opt_state, step, by_rows = setup(
+        cfg, variant, 1, devices, seed, vocab_parallel, abstract=True
+    )
+    unit = devices // vocab_parallel  # the batch is split over the data axis
+    tried = {}
+
+    def fits(batch: int) -> bool:
+        tokens = jax.ShapeDtypeStruct((batch, cfg.seq), "int32", sharding=by_rows)
+        start = time.perf_counter()
+        try:
+            need = step_bytes(step.lower(params, opt_state, tokens, tokens).compile())
+        except jax.errors.JaxRuntimeError as e:  # e.g. autotuning ran out of memory
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            need = dict(total=None, error=str(e).splitlines()[0][:200])
+        tried[batch] = need
+        ok = need["total"] is not None and need["total"] <= limit
+        size = "?" if need["total"] is None else f"{need['total'] / 2**30:.2f}"
+        print(
+            f"{variant}: batch {batch}: {size} of {limit / 2**30:.2f} GiB, "
+            f"{'fits' if ok else 'does not fit'} ({time.perf_counter() - start:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return ok
+
+    lo, capped = largest(fits, cfg.batch, unit, MAX_BATCH_CAP)
+    return dict(
+        batch=lo,
+        tokens=lo * cfg.seq,
+        bytes=tried.get(lo),
+        limit=limit,
+        capped=capped,
+        unit=unit,
+        tried={str(b): t for b, t in sorted(tried.items())},
     )
 
 
@@ -354,7 +526,16 @@ class Progress:
 
 # -- profile ----------------------------------------------------------------------------
 
-SCOPES = ("softmax", "cross_entropy", "norm", "attention", "mlp", "lm_head", "optimizer")
+SCOPES = (
+    "softmax",
+    "cross_entropy",
+    "norm",
+    "attention",
+    "mlp",
+    "lm_head",
+    "lm_head_cross_entropy",  # quack_jax_fused: the head's GEMMs and the loss in one op
+    "optimizer",
+)
 INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.-]+) = .*metadata=\{[^}]*op_name=\"([^\"]+)\"")
 
 
@@ -426,20 +607,47 @@ def plot(records: dict, cfg_name: str, path: pathlib.Path):
     plt.close(fig)
 
 
+def max_batch_cell(found: dict) -> str:
+    """The summary's cell for a ``max_batch`` record."""
+    if found["batch"] is None:
+        return "-"
+    size = "" if found["bytes"] is None else f" ({found['bytes']['total'] / 2**30:.2f} GiB)"
+    return f"{'>= ' if found['capped'] else ''}{found['batch']}{size}"
+
+
 def summary(records: dict) -> str:
+    searched = [r["max_batch"] for r in records.values() if "max_batch" in r]
     lines = [
-        "| variant | step (ms) | tokens/s | peak memory (GiB) | final loss |",
-        "|---|---|---|---|---|",
+        "| variant | step (ms) | tokens/s | peak memory (GiB) | final loss |"
+        + (" max batch (sequences) |" if searched else ""),
+        "|---|---|---|---|---|" + ("---|" if searched else ""),
     ]
     for v, r in records.items():
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
         lines.append(
             f"| {v} | {1e3 * r['step_seconds']:.2f} | {r['tokens_per_s']:,.0f} | {peak} | "
             f"{r['loss'][-1]:.4f} |"
+            + (f" {max_batch_cell(r['max_batch'])} |" if "max_batch" in r else "")
         )
-    if {"stock", "quack"} <= records.keys():
-        speedup = records["stock"]["step_seconds"] / records["quack"]["step_seconds"]
-        lines.append(f"\nquack_jax over stock: {speedup:.3f}x step time")
+    if searched:
+        judged = [m for m in searched if m["batch"] is not None]
+        if judged:
+            lines.append(
+                f"\nmax batch: the most sequences per step whose compiled train step's "
+                f"arguments + outputs + temporaries - donated aliases fit the device's "
+                f"bytes_limit ({judged[0]['limit'] / 2**30:.2f} GiB), in multiples of "
+                f"{judged[0]['unit']} (the step was compiled, never run)"
+            )
+        else:
+            lines.append(f"\nmax batch: not searched: {searched[0]['reason']}")
+    speedups = [
+        f"{name} over stock: "
+        f"{records['stock']['step_seconds'] / records[variant]['step_seconds']:.3f}x step time"
+        for variant, name in (("quack", "quack_jax"), ("quack_jax_fused", "quack_jax_fused"))
+        if {"stock", variant} <= records.keys()
+    ]
+    if speedups:
+        lines.append("\n" + "\n".join(speedups))
     profiled = {v: r["profile"] for v, r in records.items() if r["profile"]}
     if profiled:
         lines += ["", "Device time per step by model part, ms (share of the step):", ""]
@@ -482,21 +690,37 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
     parser.add_argument("--profile", action="store_true", help="trace a few steps per variant")
+    parser.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="also find each variant's largest batch (sequences per step) whose compiled "
+        "train step fits the device's memory (memory_analysis against "
+        "memory_stats()['bytes_limit'], without running it); skipped where the device "
+        "reports no memory_stats (the CPU)",
+    )
     parser.add_argument("--record", type=pathlib.Path, help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
     if args.record:
         (variant,) = args.variants
         profile_dir = tempfile.mkdtemp() if args.profile else None
+        found = None
+        if args.max_batch:  # first: the default chunk of linear_cross_entropy follows the
+            # free memory, which training would take
+            found = max_batch(cfg, variant, args.devices, args.seed, args.vocab_parallel)
         result = train(
             cfg, variant, args.steps, args.devices, args.seed, args.vocab_parallel, profile_dir
         )
+        if found is not None:
+            result["max_batch"] = found
         args.record.write_text(json.dumps(result))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     records = {}
     for variant in args.variants:
-        records[variant] = run_child(args, variant, args.steps)
+        records[variant] = run_child(
+            args, variant, args.steps, ["--max-batch"] if args.max_batch else []
+        )
         if args.profile:  # traced apart, without XLA's command buffers (CUDA graphs), whose
             # kernels the trace cannot tie to the program's instructions
             flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="

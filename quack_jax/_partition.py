@@ -203,3 +203,20 @@ def in_auto_axes(op, avals_in, avals_out):
             op, axes=explicit, out_sharding=tuple(a.sharding for a in avals_out)
         )
     return op
+
+
+def _varying_axes(a) -> frozenset:
+    """The manual mesh axes (inside ``shard_map``) that ``a`` varies over."""
+    aval = jax.typeof(a)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+def varying_like(x, v):
+    """``v`` marked as varying over the manual mesh axes that ``x`` varies over (inside
+    ``shard_map``), so that its gradient, computed per shard, is summed over them."""
+    if v is None:
+        return v
+    axes = tuple(sorted(_varying_axes(x) - _varying_axes(v)))
+    return jax.lax.pcast(v, axes, to="varying") if axes else v

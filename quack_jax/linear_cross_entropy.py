@@ -36,7 +36,17 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._checks import float_array
-from ._partition import STAT, WHOLE, Row, count, dims_spec, in_auto_axes, names, role_aval
+from ._partition import (
+    STAT,
+    WHOLE,
+    Row,
+    count,
+    dims_spec,
+    in_auto_axes,
+    names,
+    role_aval,
+    varying_like,
+)
 from .cross_entropy import (
     _backward_split,
     _coefficients,
@@ -126,13 +136,13 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     per_row = [p.reshape(-1) for p in per_row]
     t, stat = h.shape[0], _compute_dtype(linear.dtype)
     ignore_index, smoothing, z_loss, softcap = ce
-    carry = {}
-    if mode != "backward":
-        carry["loss"] = carry["lse"] = jnp.zeros((t,), stat)
     grads = _gradient_names(mode, needs)
-    initial = {"dh": lambda: jnp.zeros((t, d), h.dtype), "dw": lambda: jnp.zeros(w.shape)}
-    initial["db"] = lambda: jnp.zeros(bias.shape)
-    carry.update({k: initial[k]() for k in grads})
+    vocab = w.shape[0 if linear.transpose else 1]
+    shapes = {"loss": ((t,), stat), "lse": ((t,), stat), "dh": ((t, d), h.dtype)}
+    shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab,), jnp.float32)}
+    results = ("loss", "lse") * (mode != "backward") + grads
+    # zeros that vary over shard_map's axes as the chunks' results do
+    carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
     def step(start, size, carry):
         def rows(a):
@@ -440,6 +450,8 @@ def _precision(fn, precision):
 
 
 def _logits_dtype(fn, preferred, dtype):
+    """The logits' dtype: h's, or ``preferred`` as JAX takes it (float64 is float32
+    unless x64 is enabled)."""
     if preferred is None:
         return np.dtype(dtype).name
     try:
@@ -451,7 +463,7 @@ def _logits_dtype(fn, preferred, dtype):
             f"{fn}: preferred_element_type must be None or a floating dtype "
             f"(float32, bfloat16, float16, float64), got {preferred!r}"
         )
-    return name
+    return jax.dtypes.canonicalize_dtype(name).name
 
 
 def linear_cross_entropy(
@@ -530,6 +542,7 @@ def linear_cross_entropy(
                 f"{fn}: bias must have the weight's dtype {weight.dtype}, got {bias.dtype}"
             )
     labels = labels_of(fn, labels, h.shape[:-1])
+    weight, bias = (varying_like(h, v) for v in (weight, bias))
     ce = options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse)
     dtype = _logits_dtype(fn, preferred_element_type, h.dtype)
     tokens = labels.size

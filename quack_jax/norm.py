@@ -21,7 +21,7 @@ import numpy as np
 from jax import lax
 
 from ._checks import float_array
-from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval
+from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import RowwisePrimitive, Target, persistent_call, row_tiling
 
 
@@ -347,25 +347,8 @@ def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_
                 f"{fn}: out_dtype must be float32, bfloat16, float16 or float64, got {out.name}"
             )
     cfg = (rms, eps, offset, out.name, prenorm, residual is not None)
-    weight, bias = (_varying_like(x, v) for v in (weight, bias))
+    weight, bias = (varying_like(x, v) for v in (weight, bias))
     return _norm(x, residual, weight, bias, cfg)
-
-
-def _varying_axes(a) -> frozenset:
-    """The manual mesh axes (inside ``shard_map``) that ``a`` varies over."""
-    aval = jax.typeof(a)
-    if hasattr(aval, "vma"):
-        return frozenset(aval.vma)
-    return frozenset(getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
-
-
-def _varying_like(x, v):
-    """``v`` marked as varying over the manual mesh axes that ``x`` varies over (inside
-    ``shard_map``), so that its gradient, computed per shard, is summed over them."""
-    if v is None:
-        return v
-    axes = tuple(sorted(_varying_axes(x) - _varying_axes(v)))
-    return jax.lax.pcast(v, axes, to="varying") if axes else v
 
 
 def rms_norm(

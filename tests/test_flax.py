@@ -252,3 +252,351 @@ def test_nnx_grad_through_model(kind, param_dtype, quack_calls):
 def test_import_quack_jax_does_not_import_flax():
     code = "import sys, quack_jax; assert 'flax' not in sys.modules, sorted(sys.modules)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- LM heads: linear_cross_entropy against the Flax head and cross_entropy -----------------
+
+D, V = 16, 40
+LOSS_CASES = {
+    "mean": {},
+    "none": {"reduction": "none"},
+    "sum-smooth-zloss": {"reduction": "sum", "label_smoothing": 0.1, "z_loss": 1e-3},
+    "none-lse-softcap-ignore": {
+        "reduction": "none",
+        "return_lse": True,
+        "logit_softcap": 5.0,
+        "ignore_index": 3,
+    },
+}
+SHORT = ("mean", "none-lse-softcap-ignore")  # the heads whose other paths are tested
+CHUNKED = {"chunk_size": 4}  # 15 rows: three chunks and a remainder
+HEAD_DTYPES = {"f32": {}, "bf16": {"dtype": bf16, "param_dtype": f32}}
+
+
+def head_cases(*heads, options=tuple(LOSS_CASES)):
+    """pytest parameters (head, dtype, options) for these heads: each loss option in f32
+    and with a bfloat16 module (float32 parameters)."""
+    return [
+        pytest.param(h, d, LOSS_CASES[o], id=f"{h}-{d}-{o}")
+        for h in heads
+        for d in HEAD_DTYPES
+        for o in options
+    ]
+
+
+def head_data(shape=(3, 5), options=None):
+    """Inputs, labels (a row ignored by ignore_index, the default -100 or the options')
+    and weights of the per-row losses."""
+    x = inputs(f32, (*shape, D))
+    labels = jax.random.randint(jax.random.key(2), shape, 0, V)
+    labels = labels.at[0, 1].set((options or {}).get("ignore_index", -100))
+    weights = jax.random.uniform(jax.random.key(3), shape, minval=0.5, maxval=1.5)
+    return x, labels, weights
+
+
+def scalar(out, weights):
+    """A loss to differentiate: the loss (and lse), per-row ones weighted."""
+    return sum(jnp.sum(o * weights) if o.ndim else o for o in jax.tree.leaves(out))
+
+
+def assert_loss_and_grads(ours, theirs, args, weights, bf16_math):
+    """ours(*args) and theirs(*args) agree, and so do the gradients of their losses with
+    respect to every argument (a tree of parameters, the inputs)."""
+    out, ref = ours(*args), theirs(*args)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    tol = 2e-2 if bf16_math else 1e-5
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype == f32
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)
+
+    def grads(f):
+        return jax.grad(lambda *a: scalar(f(*a), weights), argnums=tuple(range(len(args))))(*args)
+
+    g_ours, g_ref = grads(ours), grads(theirs)
+    assert jax.tree.structure(g_ours) == jax.tree.structure(g_ref)
+    for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        scale = float(jnp.max(jnp.abs(b.astype(f32))))
+        assert scale > 0
+        tol = 3e-2 if bf16_math else 1e-5
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol * scale)
+
+
+@pytest.fixture
+def lce_calls(monkeypatch):
+    """The keyword arguments of each quack_jax.linear_cross_entropy call."""
+    calls = []
+    real = quack_jax.linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(quack_jax, "linear_cross_entropy", spy)
+    return calls
+
+
+NNX_HEADS = {
+    "linear": lambda rngs, **kw: nnx.Linear(D, V, rngs=rngs, **kw),
+    "linear-nobias": lambda rngs, **kw: nnx.Linear(D, V, use_bias=False, rngs=rngs, **kw),
+    "embed": lambda rngs, **kw: nnx.Embed(V, D, rngs=rngs, **kw),
+}
+
+
+def nnx_logits(module, x):
+    return module.attend(x) if isinstance(module, nnx.Embed) else module(x)
+
+
+def nnx_head(kind, dtype_kw, **kw):
+    module = NNX_HEADS[kind](nnx.Rngs(0), **dtype_kw, **kw)
+    nnx.update(module, perturbed(nnx.state(module)))  # a bias that is not zero
+    return module
+
+
+def nnx_fns(module, labels, options, chunked=CHUNKED):
+    graphdef, params = nnx.split(module)
+    ce = {k: v for k, v in options.items() if k != "chunk_size"}
+
+    def ours(params, x):
+        m = nnx.merge(graphdef, params)
+        return qnnx.linear_cross_entropy(m, x, labels, **options, **chunked)
+
+    def theirs(params, x):
+        return quack_jax.cross_entropy(nnx_logits(nnx.merge(graphdef, params), x), labels, **ce)
+
+    return ours, theirs, params
+
+
+@pytest.mark.parametrize(
+    "kind, dtype, options",
+    head_cases("linear", "embed") + head_cases("linear-nobias", options=SHORT),
+)
+def test_nnx_linear_cross_entropy(kind, dtype, options, lce_calls):
+    module = nnx_head(kind, HEAD_DTYPES[dtype])
+    x, labels, weights = head_data(options=options)
+    ours, theirs, params = nnx_fns(module, labels, options)
+    assert_loss_and_grads(ours, theirs, (params, x), weights, dtype == "bf16")
+    transpose = kind == "embed"
+    call = lce_calls[0]
+    assert call["transpose_weight"] is transpose and call["chunk_size"] == 4
+    assert (call["bias"] is None) == (kind != "linear")
+    assert call.get("precision") is None and call.get("preferred_element_type") is None
+
+
+@pytest.mark.parametrize("kind", NNX_HEADS)
+def test_nnx_linear_cross_entropy_jit(kind):
+    module = nnx_head(kind, HEAD_DTYPES["bf16"])
+    x, labels, _ = head_data((2, 7))
+
+    @nnx.jit
+    def both(module, x):
+        return (
+            qnnx.linear_cross_entropy(module, x, labels),
+            quack_jax.cross_entropy(nnx_logits(module, x), labels),
+        )
+
+    ours, ref = both(module, x)
+    np.testing.assert_allclose(ours, ref, rtol=1e-2)
+
+
+def test_nnx_linear_precision_and_preferred_type(lce_calls):
+    kw = {"precision": jax.lax.Precision.HIGHEST, "preferred_element_type": f32}
+    module = nnx_head("linear", {"dtype": bf16}, **kw)
+    x, labels, weights = head_data()
+    ours, theirs, params = nnx_fns(module, labels, {"reduction": "none"})
+    assert module(x).dtype == f32
+    assert_loss_and_grads(ours, theirs, (params, x), weights, True)
+    assert lce_calls[0]["precision"] == jax.lax.Precision.HIGHEST
+    assert lce_calls[0]["preferred_element_type"] == f32
+
+
+class TiedEmbed(nnx.Embed):
+    def attend(self, query):
+        return super().attend(query) / 2
+
+
+def test_nnx_linear_cross_entropy_refuses_what_it_cannot_compute():
+    x, labels, _ = head_data()
+    rngs = nnx.Rngs(0)
+
+    def refused(module, match, x=x):
+        with pytest.raises(ValueError, match=match):
+            qnnx.linear_cross_entropy(module, x, labels)
+
+    def scaled_dot(*args, **kwargs):
+        return 2 * jax.lax.dot_general(*args, **kwargs)
+
+    refused(nnx.Linear(D, V, dot_general=scaled_dot, rngs=rngs), "dot_general")
+    refused(nnx.Linear(D, V, preferred_element_type=bf16, rngs=rngs), "preferred_element_type")
+    refused(nnx.Linear(D, V, preferred_element_type=jnp.int32, rngs=rngs), "preferred_element")
+    refused(nnx.LoRALinear(D, V, lora_rank=2, rngs=rngs), r"overrides Linear\.__call__")
+    refused(TiedEmbed(V, D, rngs=rngs), r"overrides Embed\.attend")
+    refused(nnx.LinearGeneral(D, V, rngs=rngs), r"nnx\.Linear or an nnx\.Embed")
+    refused(nnx.Linear(D, V, rngs=rngs), r"shape \(\.\.\., 16\)", x[..., :8])
+    refused(nnx.Embed(V, D, rngs=rngs), r"shape \(\.\.\., 16\)", x[0, 0, 0])
+    with pytest.raises(TypeError, match="precision"):
+        qnnx.linear_cross_entropy(nnx.Linear(D, V, rngs=rngs), x, labels, precision="highest")
+    # what is refused is what Flax would compute differently: this one it computes alike
+    module = nnx.Linear(D, V, use_bias=False, preferred_element_type=bf16, rngs=rngs)
+    np.testing.assert_allclose(
+        qnnx.linear_cross_entropy(module, x, labels),
+        quack_jax.cross_entropy(module(x), labels),
+        rtol=1e-5,
+    )
+
+
+# linen
+
+
+class DenseLM(nn.Module):
+    """A head over a projection: Dense or DenseCrossEntropy named "head"."""
+
+    head: type
+    use_bias: bool = True
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(D, name="proj")(x)
+        return self.head(V, use_bias=self.use_bias, dtype=self.dtype, name="head"), x
+
+
+LINEN_HEADS = {"dense": True, "dense-nobias": False}
+
+
+@pytest.mark.parametrize("use_bias", LINEN_HEADS.values(), ids=LINEN_HEADS)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"param_dtype": bf16, "kernel_init": nn.initializers.normal(0.3)},
+        {"bias_init": nn.initializers.normal(0.5), "dtype": bf16},
+    ],
+    ids=["default", "bf16-params-normal", "bias-init"],
+)
+def test_dense_cross_entropy_params_match_dense(use_bias, kwargs):
+    x, labels, _ = head_data()
+    ours = qnn.DenseCrossEntropy(V, use_bias=use_bias, **kwargs)
+    theirs = nn.Dense(V, use_bias=use_bias, **kwargs)
+    assert_same_tree(ours.init(jax.random.key(4), x, labels), theirs.init(jax.random.key(4), x))
+
+
+def test_dense_cross_entropy_loads_a_dense_checkpoint():
+    class LM(nn.Module):
+        fused: bool
+
+        @nn.compact
+        def __call__(self, x, labels):
+            h = nn.Dense(D, name="proj")(x)
+            if self.fused:
+                return qnn.DenseCrossEntropy(V, name="head")(h, labels)
+            return quack_jax.cross_entropy(nn.Dense(V, name="head")(h), labels)
+
+    x, labels, _ = head_data()
+    checkpoint = perturbed(LM(False).init(jax.random.key(0), x, labels))
+    assert_same_tree(
+        LM(True).init(jax.random.key(0), x, labels), LM(False).init(jax.random.key(0), x, labels)
+    )
+    np.testing.assert_allclose(
+        LM(True).apply(checkpoint, x, labels), LM(False).apply(checkpoint, x, labels), rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("kind, dtype, options", head_cases(*LINEN_HEADS, options=SHORT))
+def test_linen_dense_cross_entropy(kind, dtype, options, lce_calls):
+    use_bias = LINEN_HEADS[kind]
+    x, labels, weights = head_data(options=options)
+    kw = dict(use_bias=use_bias, **HEAD_DTYPES[dtype])
+    ours, theirs = qnn.DenseCrossEntropy(V, **kw), nn.Dense(V, **kw)
+    params = perturbed(theirs.init(jax.random.key(0), x))
+    ce = {k: v for k, v in options.items() if k != "chunk_size"}
+    assert_loss_and_grads(
+        lambda p, x: ours.apply(p, x, labels, **options, **CHUNKED),
+        lambda p, x: quack_jax.cross_entropy(theirs.apply(p, x), labels, **ce),
+        (params, x),
+        weights,
+        dtype == "bf16",
+    )
+    call = lce_calls[0]
+    assert call["transpose_weight"] is False and call["chunk_size"] == 4
+    assert (call["bias"] is None) != use_bias and call["precision"] is None
+
+
+def test_linen_dense_cross_entropy_precision_and_refusals(lce_calls):
+    x, labels, _ = head_data()
+    kw = {"precision": "highest"}
+    params = nn.Dense(V, **kw).init(jax.random.key(0), x)
+    np.testing.assert_allclose(
+        qnn.DenseCrossEntropy(V, **kw).apply(params, x, labels),
+        quack_jax.cross_entropy(nn.Dense(V, **kw).apply(params, x), labels),
+        rtol=1e-6,
+    )
+    assert lce_calls[0]["precision"] == "highest"
+
+    def scaled_dot(*args, **kwargs):
+        return 2 * jax.lax.dot_general(*args, **kwargs)
+
+    with pytest.raises(ValueError, match="dot_general"):
+        qnn.DenseCrossEntropy(V, dot_general=scaled_dot).apply(params, x, labels)
+    with pytest.raises(TypeError, match="bias"):
+        qnn.DenseCrossEntropy(V).apply(params, x, labels, bias=None)
+
+
+class TiedLM(nn.Module):
+    """An embedding whose table is also the LM head."""
+
+    dtype: jnp.dtype | None = None
+    param_dtype: jnp.dtype = f32
+
+    def setup(self):
+        self.embed = nn.Embed(V, D, dtype=self.dtype, param_dtype=self.param_dtype)
+
+    def logits(self, x):
+        return self.embed.attend(x)
+
+    def loss(self, x, labels, **kwargs):
+        return qnn.embed_cross_entropy(self.embed, x, labels, **kwargs)
+
+
+@pytest.mark.parametrize("kind, dtype, options", head_cases("embed", options=SHORT))
+def test_linen_embed_cross_entropy(kind, dtype, options, lce_calls):
+    x, labels, weights = head_data(options=options)
+    model = TiedLM(**HEAD_DTYPES[dtype])
+    params = perturbed(model.init(jax.random.key(0), labels, method=lambda m, t: m.embed(t)))
+    ce = {k: v for k, v in options.items() if k != "chunk_size"}
+
+    def ours(p, x):
+        return model.apply(p, x, labels, **options, **CHUNKED, method=TiedLM.loss)
+
+    def theirs(p, x):
+        return quack_jax.cross_entropy(model.apply(p, x, method=TiedLM.logits), labels, **ce)
+
+    assert_loss_and_grads(ours, theirs, (params, x), weights, dtype == "bf16")
+    call = lce_calls[0]
+    assert call["transpose_weight"] is True and call["bias"] is None and "precision" not in call
+
+
+def test_linen_embed_cross_entropy_bound_and_refusals():
+    x, labels, _ = head_data()
+    embed = nn.Embed(V, D)
+    variables = perturbed(embed.init(jax.random.key(0), labels))
+    np.testing.assert_allclose(
+        qnn.embed_cross_entropy(embed.bind(variables), x, labels, reduction="none"),
+        quack_jax.cross_entropy(
+            embed.apply(variables, x, method="attend"), labels, reduction="none"
+        ),
+        rtol=1e-5,
+    )
+    with pytest.raises(ValueError, match="unbound"):
+        qnn.embed_cross_entropy(embed, x, labels)
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., 16\)"):
+        qnn.embed_cross_entropy(embed.bind(variables), x[..., :4], labels)
+    with pytest.raises(ValueError, match=r"flax\.linen\.Embed"):
+        qnn.embed_cross_entropy(nn.Dense(V), x, labels)
+
+    class Scaled(nn.Embed):
+        def attend(self, query):
+            return super().attend(query) / 2
+
+    with pytest.raises(ValueError, match=r"overrides Embed\.attend"):
+        qnn.embed_cross_entropy(Scaled(V, D).bind(variables), x, labels)

@@ -1,5 +1,6 @@
 """The training benchmark (benchmarks/train_lm.py) end to end with its tiny config on the
-CPU: both variants train from the same seed on the same batches and agree."""
+CPU: the variants train from the same seed on the same batches and agree; and its
+``--max-batch`` search, judged against a given memory limit."""
 
 import json
 import pathlib
@@ -12,21 +13,80 @@ pytest.importorskip("optax")
 pytest.importorskip("matplotlib")
 
 
-def test_tiny_training_run(tmp_path, monkeypatch):
+@pytest.fixture
+def train_lm(monkeypatch):
     monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "benchmarks"))
     import train_lm
 
+    return train_lm
+
+
+def test_tiny_training_run(tmp_path, train_lm):
     steps = 12
     train_lm.main(["--config", "tiny", "--steps", str(steps), "--out", str(tmp_path), "--profile"])
     result = json.loads((tmp_path / "train_tiny.json").read_text())
-    stock, quack = result["runs"]["stock"], result["runs"]["quack"]
-    for run in (stock, quack):
+    assert list(result["runs"]) == ["stock", "quack", "quack_jax_fused"]
+    stock, quack, fused = (result["runs"][v] for v in ("stock", "quack", "quack_jax_fused"))
+    for run in (stock, quack, fused):
         assert len(run["loss"]) == len(run["seconds"]) == steps
         assert np.isfinite(run["loss"]).all() and run["loss"][-1] < run["loss"][0] - 0.5
         assert run["tokens_per_s"] > 0 and not run["kernels"]
-        assert {"cross_entropy", "norm", "softmax"} <= run["profile"].keys()
+        assert {"norm", "softmax"} <= run["profile"].keys()
+        assert "max_batch" not in run
+    for run in (stock, quack):
+        assert {"cross_entropy", "lm_head"} <= run["profile"].keys()
+    # the fused head and loss: one op, one part, no logits
+    assert "lm_head_cross_entropy" in fused["profile"]
+    assert not {"cross_entropy", "lm_head"} & fused["profile"].keys()
     np.testing.assert_allclose(quack["loss"], stock["loss"], rtol=2e-3)
+    np.testing.assert_allclose(fused["loss"], stock["loss"], rtol=2e-3)
+    np.testing.assert_allclose(fused["loss"], quack["loss"], rtol=1e-3)
     report = (tmp_path / "train_tiny.md").read_text()
     assert "XLA fallback" in report and "quack_jax over stock" in report
+    assert "quack_jax_fused over stock" in report and "| quack_jax_fused |" in report
+    assert "max batch" not in report
     assert (tmp_path / "train_tiny.png").stat().st_size > 10_000
     assert train_lm.CONFIGS["h200"].vocab >= 128 * 1024
+
+
+def test_largest_search(train_lm):
+    for size, start, unit in [(37, 8, 1), (37, 8, 2), (5, 8, 1), (8, 8, 4), (1, 8, 2)]:
+        tried = []
+
+        def fits(b, size=size, tried=tried):
+            tried.append(b)
+            return b <= size
+
+        assert train_lm.largest(fits, start, unit, 1 << 10) == (size // unit * unit, False)
+        assert all(b % unit == 0 for b in tried)
+    assert train_lm.largest(lambda b: True, 8, 1, 100) == (64, True)
+
+
+def test_max_batch(train_lm, capsys):
+    import jax
+
+    cfg = train_lm.CONFIGS["tiny"]
+    # the CPU reports no memory: it says it cannot judge
+    found = train_lm.max_batch(cfg, "quack_jax_fused", 1, 0)
+    assert found["batch"] is None and "cannot judge" in found["reason"]
+    assert "cannot judge" in capsys.readouterr().err
+    # against a given limit: the step at the batch found fits, one more sequence does not
+    params, opt_state, step, by_rows = train_lm.setup(cfg, "quack_jax_fused", 1, 1, 0, 1, True)
+
+    def need(batch):
+        tokens = jax.ShapeDtypeStruct((batch, cfg.seq), "int32", sharding=by_rows)
+        return train_lm.step_bytes(step.lower(params, opt_state, tokens, tokens).compile())
+
+    at_start = need(cfg.batch)
+    assert at_start["alias"] > 0  # the donated parameters and optimiser state
+    limit = int(2.5 * at_start["total"])
+    found = train_lm.max_batch(cfg, "quack_jax_fused", 1, 0, limit=limit)
+    batch = found["batch"]
+    assert 2 * cfg.batch <= batch < 4 * cfg.batch and not found["capped"]
+    assert found["bytes"] == need(batch) and found["bytes"]["total"] <= limit
+    assert need(batch + 1)["total"] > limit
+    # the summary's column
+    run = dict(step_seconds=1.0, tokens_per_s=1.0, peak_bytes=None, loss=[1.0], profile=None)
+    assert "max batch" not in train_lm.summary({"quack_jax_fused": run})
+    text = train_lm.summary({"quack_jax_fused": run | {"max_batch": found}})
+    assert "max batch (sequences) |" in text and f"| {batch} (" in text

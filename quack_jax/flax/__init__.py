@@ -1,4 +1,5 @@
-"""Flax modules backed by quack_jax: drop-in ``RMSNorm`` and ``LayerNorm`` for linen and nnx.
+"""Flax modules backed by quack_jax: drop-in ``RMSNorm`` and ``LayerNorm`` for linen and nnx,
+and LM heads whose cross-entropy never makes the logits.
 
 Swap the import and keep the rest of the model, its parameters and its checkpoints::
 
@@ -14,6 +15,12 @@ and follows the same dtype rules; only ``__call__`` differs. It runs
 over its last axis (``reduction_axes`` and ``feature_axes`` the last axis, no ``axis_name``,
 ``axis_index_groups`` or ``mask``), and Flax's own code for everything else. The variance
 is always the centred one, so ``use_fast_variance`` changes nothing but rounding.
+
+The LM heads run :func:`quack_jax.linear_cross_entropy` on a head's own parameters, with
+its dtype promotion and precision: ``nnx.linear_cross_entropy(head, x, labels)`` for an
+``nnx.Linear`` head or a tied ``nnx.Embed``; ``linen.DenseCrossEntropy`` (a ``Dense`` with
+the same parameters, called with the labels) and ``linen.embed_cross_entropy(embed, x,
+labels)`` for a tied ``nn.Embed``.
 
 Flax is an optional dependency: ``import quack_jax`` never imports it, this package does.
 """
