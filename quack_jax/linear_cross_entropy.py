@@ -58,7 +58,6 @@ from .cross_entropy import (
     options,
 )
 
-MODES = ("loss", "grad", "backward")
 # the default chunk: rows whose logits take at most this many bytes, and at most this
 # fraction of the free device memory, a multiple of CHUNK_MULTIPLE rows
 CHUNK_BYTES = 1 << 30
