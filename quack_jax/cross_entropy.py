@@ -190,17 +190,8 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
 
     def local(logits, labels, *weights):
         if not axes:
-            return _forward.bind(
-                logits,
-                labels,
-                *weights,
-                ignore_index=ignore_index,
-                smoothing=smoothing,
-                z_loss=z_loss,
-                softcap=softcap,
-                grad=grad,
-                inplace=inplace,
-            )
+            cfg = (ignore_index, smoothing, z_loss, softcap)
+            return _bind_forward(logits, labels, cfg, *weights, inplace=inplace)
         width = logits.shape[-1]
         n = width * row.count
         here = labels - row.start(width)
@@ -256,7 +247,8 @@ def _backward_split(row, *, softcap, inplace):
 # registers; the backward scales it (a multiply by 1 under jax.grad, which XLA removes).
 
 
-def _bind_forward(logits, labels, cfg, *weights):
+def _bind_forward(logits, labels, cfg, *weights, inplace=False):
+    """The forward of options ``cfg``; with per-row ``weights``, also the gradient."""
     ignore_index, smoothing, z_loss, softcap = cfg
     return _forward.bind(
         logits,
@@ -267,7 +259,7 @@ def _bind_forward(logits, labels, cfg, *weights):
         z_loss=z_loss,
         softcap=softcap,
         grad=bool(weights),
-        inplace=False,
+        inplace=inplace,
     )
 
 
