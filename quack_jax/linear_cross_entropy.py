@@ -139,17 +139,28 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     vocab = w.shape[0 if linear.transpose else 1]
     shapes = {"loss": ((t,), stat), "lse": ((t,), stat), "dh": ((t, d), h.dtype)}
     shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab,), jnp.float32)}
-    results = ("loss", "lse") * (mode != "backward") + grads
-    # zeros that vary over shard_map's axes as the chunks' results do
+    # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
+    # written by the first chunk
+    results = ("loss", "lse") * (mode != "backward") + ("dh",) * ("dh" in grads)
     carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
-    def step(start, size, carry):
+    # ceil(t / chunk) chunks of equal size; when that size does not divide t, the last
+    # chunk ends at row t and overlaps the one before it: its rows already done get zero
+    # gradient coefficients, and their dh is kept
+    chunks = -(-t // linear.chunk)
+    size = -(-t // chunks) if t else 0
+
+    def step(i, carry):
+        start = jnp.minimum(i * size, t - size)
+        fresh = start + jnp.arange(size) >= i * size
+
         def rows(a):
             return lax.dynamic_slice_in_dim(a, start, size)
 
         hc = rows(h)
         logits = linear.logits(hc, w, bias)
-        inputs = (logits, rows(labels), *map(rows, per_row))
+        coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[mode == "backward" :]]
+        inputs = (logits, rows(labels), *map(rows, per_row[: mode == "backward"]), *coefficients)
         if mode == "backward":
             (dlogits,) = _backward_split(row, softcap=softcap, inplace=True)(*inputs)
         else:
@@ -170,22 +181,23 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
             (dlogits,) = dlogits
         dlogits = dlogits.astype(h.dtype)
         carry = dict(carry)
-        if "dh" in carry:
+        if "dh" in grads:
             dh = linear.dh(dlogits, w)
             dh = jax.lax.psum(dh, row.axes) if row.axes else dh
-            carry["dh"] = lax.dynamic_update_slice_in_dim(carry["dh"], dh.astype(h.dtype), start, 0)
-        if "dw" in carry:
-            carry["dw"] = carry["dw"] + linear.dw(hc, dlogits)
-        if "db" in carry:
-            carry["db"] = carry["db"] + jnp.sum(dlogits, axis=0, dtype=jnp.float32)
-        return carry
+            dh = jnp.where(fresh[:, None], dh.astype(h.dtype), rows(carry["dh"]))
+            carry["dh"] = lax.dynamic_update_slice_in_dim(carry["dh"], dh, start, 0)
+        sums = {}
+        if "dw" in grads:
+            sums["dw"] = linear.dw(hc, dlogits)
+        if "db" in grads:
+            sums["db"] = jnp.sum(dlogits, axis=0, dtype=jnp.float32)
+        # the first chunk writes dW and db, the others add to them
+        return carry | {k: carry[k] + v if k in carry else v for k, v in sums.items()}
 
-    size = min(linear.chunk, t)
     if size:
-        full, rest = divmod(t, size)
-        carry = lax.fori_loop(0, full, lambda i, c: step(i * size, size, c), carry)
-        if rest:
-            carry = step(full * size, rest, carry)
+        carry = lax.fori_loop(1, chunks, step, step(0, carry))
+    else:
+        carry |= {k: varying_like(h, jnp.zeros(*shapes[k])) for k in grads if k not in carry}
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
@@ -484,7 +496,7 @@ def linear_cross_entropy(
 ):
     """``cross_entropy(h @ weight + bias, labels, ...)`` without making the logits.
 
-    The rows of ``h`` go in chunks of ``chunk_size``: each chunk's logits are made by
+    The rows of ``h`` go in chunks of at most ``chunk_size``: each chunk's logits are made by
     XLA's GEMM, and the cross-entropy kernel writes their gradient over them in place;
     the weight gradient accumulates in float32. A "sum" or "mean" loss computes its
     gradients in the forward pass; per-row losses recompute each chunk's logits in the
@@ -500,9 +512,11 @@ def linear_cross_entropy(
       transpose_weight: whether ``weight`` is (V, d).
       ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse: as
         in :func:`quack_jax.cross_entropy`.
-      chunk_size: rows per chunk, a positive int; by default (None) the rows whose
-        logits take at most 1 GiB and 1/8 of the free device memory (see
-        ``default_chunk``).
+      chunk_size: the most rows per chunk, a positive int; by default (None) the rows
+        whose logits take at most 1 GiB and 1/8 of the free device memory (see
+        ``default_chunk``). The rows go in ceil(T / chunk_size) chunks of equal size;
+        where that size does not divide T, the last chunk ends at row T and overlaps
+        the one before it (its rows done before get no second gradient).
       precision: of the three GEMMs, as in ``jax.lax.dot_general``.
       preferred_element_type: the logits' dtype (default: h's). The backward GEMMs take
         dlogits in h's dtype.

@@ -383,23 +383,32 @@ def test_nan_and_inf_in_h(reduction, return_lse):
 # -- 4. memory ----------------------------------------------------------------------------
 
 
-def test_memory_is_below_the_unfused_loss_by_the_logits():
-    """The compiled value_and_grad needs at least the full logits less one chunk's
-    logits fewer bytes than the unfused loss."""
-    t, d, v, chunk = 4096, 64, 8192, 512
+def compiled_bytes(fn, t, d, v):
+    """temp + output bytes of the compiled value_and_grad (of h and W) in bfloat16."""
     args = (
         jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
         jax.ShapeDtypeStruct((t,), jnp.int32),
     )
+    compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
+    memory = compiled.memory_analysis()
+    return memory.temp_size_in_bytes + memory.output_size_in_bytes
 
-    def used(fn):
-        compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
-        memory = compiled.memory_analysis()
-        return memory.temp_size_in_bytes + memory.output_size_in_bytes
 
-    ours, theirs = used(fused(chunk)), used(unfused)
+def test_memory_is_below_the_unfused_loss_by_the_logits():
+    """The compiled value_and_grad needs at least the full logits less one chunk's
+    logits fewer bytes than the unfused loss."""
+    t, d, v, chunk = 4096, 64, 8192, 512
+    ours, theirs = compiled_bytes(fused(chunk), t, d, v), compiled_bytes(unfused, t, d, v)
     assert ours <= theirs - (t * v * 2 - chunk * v * 2), (ours, theirs)
+
+
+def test_a_last_chunk_that_overlaps_costs_no_memory():
+    """4001 rows in chunks of at most 512 go as 8 of 501 rows, the last one overlapping
+    the one before it; that needs no more memory than 4008 rows in 8 chunks of 501."""
+    d, v = 64, 8192
+    overlapping = compiled_bytes(fused(512), 4001, d, v)
+    assert overlapping <= compiled_bytes(fused(501), 4008, d, v)
 
 
 # -- 5. sharded on 8 host devices ---------------------------------------------------------
