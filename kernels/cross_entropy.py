@@ -58,34 +58,38 @@ class _CrossEntropy(RowKernel):
         return x
 
     @cute.jit
-    def pick(self, cta, x, label):
-        """Whether this thread holds column ``label`` of its row, and x there if so."""
-        frag = cute.make_rmem_tensor(x.shape, Float32)
-        frag.store(x)
-        held, value = cutlass.Boolean(False), Float32(0.0)
-        for i in cutlass.range_constexpr(cute.size(frag)):
-            hit = cta.col0 + cta.tXcX[i][1] == label
-            held = held | hit
-            value = cutlass.select_(hit, frag[i], value)
-        return held, value
-
-    @cute.jit
-    def store_gradient(self, cta, x, label, lse, a, b, c, cap, out):
+    def store_gradient(self, cta, x, label, lse, a, b, c, cap, out, pick=False):
         """Write ``a * exp(x - lse) - b * [j == label] - c`` (times the softcap's
         derivative) for this thread's elements of x (softcapped logits); a zero ``a``
-        drops the softmax term, and zero coefficients give a zero row."""
+        drops the softmax term, and zero coefficients give a zero row. With ``pick``,
+        returns whether this thread holds column ``label`` and x there if so (taken in the
+        same pass over the elements, from registers)."""
         frag = cute.make_rmem_tensor(x.shape, Float32)
-        frag.fill(-c)
-        if a != 0.0:
-            frag.store(a * cute.math.exp2((x - lse) * LOG2_E, fastmath=True) - c)
-        for i in cutlass.range_constexpr(cute.size(frag)):
-            hit = cta.col0 + cta.tXcX[i][1] == label
-            frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
+        held, target = cutlass.Boolean(False), Float32(0.0)
+        if const_expr(pick):
+            # element by element, each logit read once and replaced by its gradient, so
+            # that the logits and the gradients are never both live
+            frag.store(x)
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                hit = cta.col0 + cta.tXcX[i][1] == label
+                held = held | hit
+                target = cutlass.select_(hit, frag[i], target)
+                e = a * cute.math.exp2((frag[i] - lse) * LOG2_E, fastmath=True)
+                g = cutlass.select_(a == 0.0, Float32(0.0), e) - c
+                frag[i] = cutlass.select_(hit, g - b, g)
+        else:
+            frag.fill(-c)
+            if a != 0.0:
+                frag.store(a * cute.math.exp2((x - lse) * LOG2_E, fastmath=True) - c)
+            for i in cutlass.range_constexpr(cute.size(frag)):
+                hit = cta.col0 + cta.tXcX[i][1] == label
+                frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
         if const_expr(self.softcap):
             frag.store(frag.load() * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap))))
             if (a == 0.0) & (b == 0.0) & (c == 0.0):  # a NaN logit must not leak in
                 frag.fill(0.0)
         self.store(cta, frag.load(), out)
+        return held, target
 
 
 class CrossEntropyForward(_CrossEntropy):
@@ -167,12 +171,9 @@ class CrossEntropyForward(_CrossEntropy):
             label = _row_scalar(plabels, m, cta.row)
         ignored, outside = label == ignore_index, (label < 0) | (label >= n)
         row_loss = functools.partial(self.row_loss, ploss, m, cta.row, lse, total, ignored, outside)
-        if const_expr(self.grad):  # other threads may overwrite the row in memory now
-            held, target = self.pick(cta, x, label)
+        if const_expr(self.grad):
             if cta.in_rows and cta.first_col:
                 _row_scalar_set(plse, m, cta.row, lse)
-            if cta.in_rows and cutlass.select_(outside, cta.first_col, held):
-                row_loss(target, smoothing, z_loss)
         elif cta.in_rows and cta.first_col:
             col = cutlass.select_(outside, Int32(0), label)
             row = cute.make_tensor(
@@ -197,17 +198,13 @@ class CrossEntropyForward(_CrossEntropy):
             c = w * (smoothing * (1.0 / n))
             c = cutlass.select_(outside & (w != 0.0), Float32.nan, c)
             a = cutlass.select_(w == 0.0, Float32(0.0), w * (1.0 + zterm))  # lse may be NaN
-            self.store_gradient(
-                cta,
-                x,
-                label,
-                lse,
-                a,
-                w * (1.0 - smoothing),
-                c,
-                cap,
-                cta.destinations[0],
+            # the target logit comes from registers: other threads may have overwritten
+            # the row in memory by now
+            held, target = self.store_gradient(
+                cta, x, label, lse, a, w * (1.0 - smoothing), c, cap, cta.destinations[0], True
             )
+            if cta.in_rows and cutlass.select_(outside, cta.first_col, held):
+                row_loss(target, smoothing, z_loss)
 
 
 class CrossEntropyBackward(_CrossEntropy):

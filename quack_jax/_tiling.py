@@ -207,6 +207,26 @@ _TABLES["ce_bwd", 2] = [
     (256 * _K, (256, 256, 16)),
 ]
 _TABLES["ce_bwd", 4] = _TABLES["ce_bwd", 2]
+# The forward that also writes the gradient (a mean or sum loss under autodiff) reads and
+# writes the row; tuned alone on the H200 (run 12 in benchmarks/NOTES.md) at n = 1024,
+# 32000, 50257, 128256, 151936 and 262144, the softmax forward's entries between them.
+_TABLES["ce_grad", 2] = [
+    (1 * _K, (32, 256, 1)),
+    (4 * _K, (32, 128, 1)),
+    (16 * _K, (256, 256, 1)),
+    (32 * _K, (256, 256, 4)),
+    (128 * _K, (128, 128, 8)),
+    (160 * _K, (1024, 1024, 4)),
+    (256 * _K, (128, 128, 16)),
+]
+_TABLES["ce_grad", 4] = [
+    (1 * _K, (32, 128, 1)),
+    (4 * _K, (32, 128, 1)),
+    (16 * _K, (64, 128, 4)),
+    (32 * _K, (128, 128, 4)),
+    (64 * _K, (128, 128, 8)),
+    (256 * _K, (128, 128, 16)),
+]
 # Register budget: float32 values a thread keeps live. A kernel keeps ``live`` values per
 # element of its row slice (softmax forward: x; its derivative: x and the tangent; norms
 # also weights, bias, residual, cotangents and weight-gradient accumulators), so it holds
@@ -218,8 +238,9 @@ _MAX_VALUES_PER_THREAD = {
     "norm_bwd": 128,
     "ce_fwd": 128,
     "ce_bwd": 128,
+    "ce_grad": 128,
 }
-_LIVE = {"softmax_fwd": 1, "softmax_bwd": 2, "ce_fwd": 1, "ce_bwd": 2}
+_LIVE = {"softmax_fwd": 1, "softmax_bwd": 2, "ce_fwd": 1, "ce_bwd": 2, "ce_grad": 1}
 
 
 # Kernels that stage row blocks in shared memory (the persistent norm kernels) keep a

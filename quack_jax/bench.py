@@ -335,7 +335,7 @@ CROSS_ENTROPY = Op(
         Tuned("fwd", "ce_fwd", 1, _quack_ce, lambda x, labels, dy: (x, labels)),
         Tuned("bwd", "ce_bwd", 2, _ce_backward, _ce_backward_operands),
         # the forward that also writes the gradient (a mean loss under jax.grad)
-        Tuned("grad", "ce_fwd", 2, jax.grad(_quack_ce), lambda x, labels, dy: (x, labels)),
+        Tuned("grad", "ce_grad", 2, jax.grad(_quack_ce), lambda x, labels, dy: (x, labels)),
     ],
     columns=[*FWD_COLUMNS, *FWD_BWD_COLUMNS, TILINGS],
     footprint=4,

@@ -108,7 +108,7 @@ def _forward_kernel(
     target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap, grad, inplace
 ):
     x = avals_in[0]
-    tiling = row_tiling(x, "ce_fwd", live=1 + bool(smoothing))
+    tiling = row_tiling(x, "ce_grad" if grad else "ce_fwd", live=1 + bool(smoothing))
     if tiling is None:
         return None
     variant = (
