@@ -443,12 +443,13 @@ def largest(fits, start: int, unit: int, cap: int) -> tuple[int, bool]:
 
 
 def max_batch(
-    cfg: Config, variant: str, devices: int, seed: int, vocab_parallel=1, limit=None
+    cfg: Config, variant: str, devices: int, seed: int, vocab_parallel=1, limit=None, start=None
 ) -> dict:
     """The largest batch (sequences per step, a multiple of the data-parallel size) whose
     jitted train step fits the device memory, judged from the compiled step's memory
     analysis against ``limit`` (default: the device's ``memory_stats()["bytes_limit"]``);
-    the step never runs. See ``largest`` for the search (from ``cfg.batch``, at most
+    the step never runs. See ``largest`` for the search (from ``start``, default
+    ``cfg.batch``, at most
     ``MAX_BATCH_CAP``). Returns the record: ``batch`` (None where it cannot judge, with
     ``reason``), ``bytes`` (its step's ``step_bytes``), ``limit``, ``capped``, ``unit``
     and the ``step_bytes`` of every batch tried."""
@@ -490,7 +491,7 @@ def max_batch(
         )
         return ok
 
-    lo, capped = largest(fits, cfg.batch, unit, MAX_BATCH_CAP)
+    lo, capped = largest(fits, start or cfg.batch, unit, MAX_BATCH_CAP)
     return dict(
         batch=lo,
         tokens=lo * cfg.seq,
@@ -698,6 +699,12 @@ def main(argv=None):
         "memory_stats()['bytes_limit'], without running it); skipped where the device "
         "reports no memory_stats (the CPU)",
     )
+    parser.add_argument(
+        "--max-batch-start",
+        type=int,
+        help="the batch --max-batch starts its search from (default: the config's batch), "
+        "a multiple of the data-parallel size",
+    )
     parser.add_argument("--record", type=pathlib.Path, help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
@@ -707,7 +714,14 @@ def main(argv=None):
         found = None
         if args.max_batch:  # first: the default chunk of linear_cross_entropy follows the
             # free memory, which training would take
-            found = max_batch(cfg, variant, args.devices, args.seed, args.vocab_parallel)
+            found = max_batch(
+                cfg,
+                variant,
+                args.devices,
+                args.seed,
+                args.vocab_parallel,
+                start=args.max_batch_start,
+            )
         result = train(
             cfg, variant, args.steps, args.devices, args.seed, args.vocab_parallel, profile_dir
         )
@@ -718,9 +732,10 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     records = {}
     for variant in args.variants:
-        records[variant] = run_child(
-            args, variant, args.steps, ["--max-batch"] if args.max_batch else []
-        )
+        search = ["--max-batch"] if args.max_batch else []
+        if args.max_batch and args.max_batch_start:
+            search += ["--max-batch-start", str(args.max_batch_start)]
+        records[variant] = run_child(args, variant, args.steps, search)
         if args.profile:  # traced apart, without XLA's command buffers (CUDA graphs), whose
             # kernels the trace cannot tie to the program's instructions
             flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
