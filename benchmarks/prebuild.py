@@ -127,7 +127,7 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
     kernels = {}
     for i, low in enumerate(lowerings):
         t0 = time.perf_counter()
-        with bench.kernels_used() as used:
+        with _cache.kernels_used() as used:
             launches = _lower(low, arch)
         if low.tiling and low.tiling[3] not in [tiling for _, _, tiling, _ in used]:
             raise RuntimeError(f"{low.label}: the tiling override did not reach the kernel")

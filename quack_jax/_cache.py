@@ -19,6 +19,7 @@ build command.
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
@@ -134,12 +135,9 @@ def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple
 
 
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
-    from .build import LOWERED_OPS, OPS
-
-    public = next(
-        (name for name, kernels in OPS.items() if op in dict(kernels)),
-        next((name for name in LOWERED_OPS if op.startswith(name)), op),
-    )
+    """The build command for kernel ``op``: its public op is its name less the pass
+    (``log_softmax_jvp`` -> ``log_softmax``)."""
+    public = op.rsplit("_", 1)[0]
     return (
         f"python -m quack_jax.build --arch {arch} --ops {public} --dtypes {dtype} "
         f"--sizes {tiling.n}"
@@ -148,6 +146,22 @@ def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
 
 _memory: dict[tuple, CubinKernel] = {}
 _lock = threading.Lock()
+_recorders: list[dict] = []
+
+
+@contextlib.contextmanager
+def kernels_used():
+    """Collects the kernels, as (op, dtype, tiling, variant), that ``get_kernel`` returns
+    inside the block, each once (so, lowering on a kernel device or for one: the kernels
+    launched); the list is filled when the block ends."""
+    seen: dict = {}
+    used: list = []
+    _recorders.append(seen)
+    try:
+        yield used
+    finally:
+        _recorders.remove(seen)
+        used += list(seen)
 
 
 def _read(path: pathlib.Path, op: str) -> CubinKernel | None:
@@ -199,6 +213,13 @@ def get_kernel(
     op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple = ()
 ) -> CubinKernel:
     """The cubin for one configuration: from memory, the cache folder, or a fresh compile."""
+    kernel = _get_kernel(op, dtype, tiling, arch, variant)
+    for seen in _recorders:
+        seen[op, dtype, tiling, variant] = None
+    return kernel
+
+
+def _get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple):
     key = (op, dtype, tiling, arch, variant, os.environ.get("QUACK_JAX_CACHE"))
     with _lock:
         if key in _memory:

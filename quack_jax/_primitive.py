@@ -16,6 +16,7 @@ derivative order (``jax.hessian``, forward-over-reverse) available through XLA.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -24,12 +25,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src import dispatch
-from jax.extend import core
 from jax.interpreters import ad, batching, mlir
 
 from . import _ffi
 from ._cache import get_kernel
+from ._jax_private import new_primitive
 from ._partition import ROWS, partitioned
 from ._tiling import choose_tiling
 
@@ -113,13 +113,30 @@ def resident_ctas(kernel, tiling, sms: int) -> int:
     return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
 
 
+_one_wave = [True]
+
+
+@contextlib.contextmanager
+def full_grid():
+    """Inside the block, persistent kernels are lowered to one CTA per row block instead
+    of one wave (an experiment of the benchmark's tuner: the kernels loop over the blocks
+    they are given, so only the grid changes)."""
+    _one_wave.append(False)
+    try:
+        yield
+    finally:
+        _one_wave.pop()
+
+
 def persistent_call(target: Target, op, aval, tiling, results, scalars=(), variant=()):
     """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
-    CTAs (at most one per row block); ``results(ctas)`` gives the result structs, which may
-    depend on the grid (per-CTA partials)."""
+    CTAs (at most one per row block; see ``full_grid``); ``results(ctas)`` gives the
+    result structs, which may depend on the grid (per-CTA partials)."""
     m = rows(aval)
     kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
-    ctas = min(-(-m // tiling.rows_per_cta), resident_ctas(kernel, tiling, target.sms))
+    ctas = -(-m // tiling.rows_per_cta)
+    if _one_wave[-1]:
+        ctas = min(ctas, resident_ctas(kernel, tiling, target.sms))
     grid = (ctas, tiling.cluster_n, 1)
     return _ffi.call(kernel, grid, tiling.block, tiling.cluster, (m, *scalars), results(ctas))
 
@@ -150,17 +167,13 @@ class RowwisePrimitive:
         self.kernel = kernel
         self.reference = reference
         self.num_outputs = num_outputs
-        p = self.primitive = core.Primitive(name)
-        p.multiple_results = True
-        p.def_impl(lambda *args, **params: dispatch.apply_primitive(p, *args, **params))
+        p = self.primitive = new_primitive(name)
         p.def_abstract_eval(abstract or self._abstract_eval)
         batching.primitive_batchers[p] = batch or self._batch
         ad.primitive_jvps[p] = jvp or self._reference_jvp
         if transpose:
             ad.primitive_transposes[p] = transpose
         self.roles, self.split = roles, split or self._split_reference
-        # partitioning (custom_partitioning, at lowering) needs the device assignment
-        dispatch.prim_requires_devices_during_lowering.add(p)
         mlir.register_lowering(p, functools.partial(self._lower, cuda=False))
         mlir.register_lowering(p, functools.partial(self._lower, cuda=True), platform="cuda")
 

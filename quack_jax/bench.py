@@ -48,7 +48,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +55,7 @@ from jax import lax
 
 import quack_jax
 from quack_jax import _cache, _ffi
-from quack_jax._primitive import KERNEL_ARCHS
+from quack_jax._primitive import KERNEL_ARCHS, full_grid
 from quack_jax._tiling import (
     ITEMSIZE,
     RowTiling,
@@ -365,22 +364,6 @@ def describe() -> str:
     )
 
 
-@contextlib.contextmanager
-def kernels_used():
-    """Collects the kernels, as (op, dtype, tiling, variant), that lowering inside the block
-    takes from the cubin cache (so, on a kernel device or lowering for one, launches)."""
-    held, _cache._memory = _cache._memory, {}  # emptied: what fills it is what is used
-    used = []
-    try:
-        yield used
-    finally:
-        used += [
-            (op, dtype, tiling, variant) for op, dtype, tiling, _, variant, _ in _cache._memory
-        ]
-        held.update(_cache._memory)
-        _cache._memory = held
-
-
 def time_per_call(fn, inputs, reps, require_kernel=False):
     """Median seconds per application of ``fn`` over the K argument tuples in ``inputs``."""
     f = jax.jit(lambda inputs: [fn(*args) for args in inputs])
@@ -436,7 +419,7 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
     for case in op.cases:
         inputs = [a[: case.args] for a in arguments]
         try:
-            with kernels_used() as used:
+            with _cache.kernels_used() as used:
                 row[case.key] = time_per_call(case.fn, inputs, reps, case.kernel and on_gpu)
         except _cache.MissingKernelError as error:  # not packaged, and no CuTe-DSL here
             row[case.key] = None
@@ -456,9 +439,10 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
             if t.full_grid:
                 default = tilings[t.name]
                 variants.append((f"{default.tag}+full-grid", default, True))
-            for tag, tiling, full_grid in variants:
+            for tag, tiling, one_per_block in variants:
                 try:
-                    with override_tiling(t.family, n, e, tiling), _full_grid(full_grid):
+                    grid = full_grid() if one_per_block else contextlib.nullcontext()
+                    with override_tiling(t.family, n, e, tiling), grid:
                         results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
                 except jax.errors.JaxRuntimeError as error:  # e.g. too much shared memory
                     print(f"tune {dtype} {m}x{n} {t.name} {tag} failed: {error}"[:300], flush=True)
@@ -471,14 +455,6 @@ def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
             del inputs
     del arguments
     return row
-
-
-def _full_grid(on: bool):
-    """Launch persistent norm kernels on one CTA per row block (an experiment: the kernel
-    loops over the blocks it is given, so only the grid changes)."""
-    if not on:
-        return contextlib.nullcontext()
-    return mock.patch.object(quack_jax._primitive, "resident_ctas", lambda *args: 2**31 - 1)
 
 
 # -- reports ----------------------------------------------------------------------------

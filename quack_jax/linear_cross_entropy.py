@@ -29,13 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend import core
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._checks import float_array
+from ._jax_private import new_primitive
 from ._partition import (
     STAT,
     WHOLE,
@@ -315,12 +314,9 @@ def _lower(ctx, *operands, **params):
     return mlir.lower_fun(lambda *ops: list(fn(*ops)), multiple_results=True)(ctx, *operands)
 
 
-_primitive = core.Primitive("quack_jax_linear_cross_entropy")
-_primitive.multiple_results = True
-_primitive.def_impl(functools.partial(dispatch.apply_primitive, _primitive))
+_primitive = new_primitive("quack_jax_linear_cross_entropy")
 _primitive.def_abstract_eval(_abstract)
 batching.primitive_batchers[_primitive] = _batch
-dispatch.prim_requires_devices_during_lowering.add(_primitive)
 mlir.register_lowering(_primitive, _lower)
 
 

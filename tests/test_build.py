@@ -15,6 +15,7 @@ import pytest
 
 import quack_jax
 from quack_jax import _cache, _ffi, build
+from quack_jax._primitive import full_grid
 from quack_jax._tiling import RowTiling, choose_tiling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -256,6 +257,27 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
     with jax.enable_x64(True):
         assert _ffi.TARGET not in lowered(quack_jax.softmax, jnp.zeros((4, 8), jnp.float64))
     assert _ffi.TARGET not in lowered(quack_jax.softmax, jnp.zeros((0, 8), jnp.float32))
+
+
+def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
+    """``_cache.kernels_used`` lists the kernels a lowering takes; inside
+    ``_primitive.full_grid`` a persistent kernel gets one CTA per row block instead of
+    one wave."""
+    monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
+    x = jnp.zeros((65536, 1024), jnp.bfloat16)
+
+    def grid():
+        fresh = jax.jit(lambda x: quack_jax.rms_norm(x))  # not JAX's cached lowering
+        text = fresh.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        return int(text.split("grid = dense<[", 1)[1].split(",", 1)[0])
+
+    with _cache.kernels_used() as used:
+        one_wave = grid()
+    ((op, dtype, tiling, variant),) = used
+    assert (op, dtype, variant) == ("rms_norm_fwd", "bfloat16", ())
+    with full_grid():
+        assert grid() == 65536 // tiling.rows_per_cta > one_wave
+    assert grid() == one_wave
 
 
 def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):
