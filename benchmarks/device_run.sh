@@ -3,8 +3,9 @@
 #   QUACK_JAX_CACHE=.cubins bash benchmarks/device_run.sh [tests] [bench] [tune]
 # The cubin cache comes from `python benchmarks/prebuild.py --cache .cubins [--tune]`
 # on a CPU machine; the GPU machine has no CuTe-DSL.
-# bench runs every op (softmax, rms_norm, layer_norm). Tuning all three takes longer than
-# one device call: pick them with TUNE_OPS="rms_norm" (default: all).
+# bench runs every op (softmax, rms_norm, layer_norm, cross_entropy). Tuning several takes
+# longer than one device call: pick them with TUNE_OPS="rms_norm" (default: softmax,
+# rms_norm, layer_norm). ncu times each kernel of the benchmark's shapes once.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 QUACK_JAX_CACHE=${QUACK_JAX_CACHE:-.cubins}
 OUT=${OUT:-/tmp/quack_jax_out}

@@ -18,7 +18,8 @@ from collections import defaultdict
 
 def run(ops):
     import jax
-    from run import DTYPES, OPS, make_inputs
+
+    from quack_jax.bench import DTYPES, OPS, make_inputs
 
     for name in ops:
         op = OPS[name]
@@ -63,7 +64,7 @@ if __name__ == "__main__":
     if args.report:
         report(args.report)
     else:
-        from run import OPS
+        from quack_jax.bench import OPS
 
         run(args.ops or list(OPS))
     sys.exit(0)

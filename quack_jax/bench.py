@@ -22,17 +22,18 @@ same byte size. TB/s counts the bytes the op must move at least, e being x's ele
   returns y (as in training, where y is used), 5*M*N*e (the forward reads x and writes y,
   the backward reads x or y and dy and writes dx).
 - cross_entropy, labels uniform in [0, N), reduction "mean": forward M*N*e (read the
-  logits); forward+backward, ``jax.grad`` of the mean loss w.r.t. the logits, 2*M*N*e (the
-  anchors' count: read the logits, write their gradient; quack_jax's two kernels read the
-  logits twice, so they move 3*M*N*e). XLA is optax's formulation in float32.
+  logits); forward+backward, ``jax.grad`` of the mean loss w.r.t. the logits, 2*M*N*e
+  (read the logits, write their gradient: quack_jax's one forward kernel that also writes
+  the gradient moves exactly that). XLA is optax's formulation in float32.
 - rms_norm, layer_norm, with a float32 weight (and bias) of shape (N,) and y in x's dtype:
   forward 2*M*N*e; forward+backward, ``jax.vjp`` w.r.t. x, weight and bias that also
   returns y, 5*M*N*e (the forward reads x and writes y, the backward reads x and dy and
   writes dx; the weight and bias bytes are negligible).
 
-``--tune`` times every candidate tiling of each kernel alone: the forward op, and the
-backward kernel by itself (softmax's derivative; the norms' backward primitive with the
-saved statistics precomputed).
+``--tune`` times every candidate tiling of each kernel alone: the forward op, the
+backward kernel by itself (softmax's derivative; the norms' and cross-entropy's backward
+primitives with the saved statistics precomputed), and cross-entropy's forward that also
+writes the gradient.
 """
 
 from __future__ import annotations
