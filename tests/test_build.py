@@ -259,6 +259,7 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
     assert _ffi.TARGET not in lowered(quack_jax.softmax, jnp.zeros((0, 8), jnp.float32))
 
 
+@pytest.mark.cutlass
 def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     """``_cache.kernels_used`` lists the kernels a lowering takes; inside
     ``_primitive.full_grid`` a persistent kernel gets one CTA per row block instead of
