@@ -29,6 +29,7 @@ from jax.interpreters import ad, batching, mlir
 
 from . import _ffi
 from ._cache import get_kernel
+from ._configs import KernelConfig
 from ._jax_private import new_primitive
 from ._partition import ROWS, partitioned
 from ._tiling import choose_tiling
@@ -88,16 +89,17 @@ def row_tiling(aval, family: str, vec_itemsize=None, live=None, staged_bytes=Non
 
 
 def kernel_call(
-    target: Target, op, aval, tiling, results, scalars=(), variant=(), cluster=True, aliases=None
+    target: Target, config: KernelConfig, aval, tiling, results, cluster=True, aliases=None
 ):
-    """A function of the operands that launches kernel ``op`` once per row block of rows
-    like ``aval``'s, with scalars ``(m, *scalars)``; without ``cluster`` the CTAs that
-    share a row are launched as plain CTAs (kernels that do not reduce across them).
-    ``aliases``: results written over operands (see ``_ffi.call``)."""
+    """A function of the operands that launches the kernel of ``config`` once per row
+    block of rows like ``aval``'s, with scalars ``(m, *config.scalars())``; without
+    ``cluster`` the CTAs that share a row are launched as plain CTAs (kernels that do not
+    reduce across them). ``aliases``: results written over operands (see ``_ffi.call``)."""
     m = rows(aval)
-    kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
+    kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     dims = tiling.cluster if cluster else (1, 1, 1)
-    return _ffi.call(kernel, tiling.grid(m), tiling.block, dims, (m, *scalars), results, aliases)
+    scalars = (m, *config.scalars())
+    return _ffi.call(kernel, tiling.grid(m), tiling.block, dims, scalars, results, aliases)
 
 
 def resident_ctas(kernel, tiling, sms: int) -> int:
@@ -128,17 +130,18 @@ def full_grid():
         _one_wave.pop()
 
 
-def persistent_call(target: Target, op, aval, tiling, results, scalars=(), variant=()):
+def persistent_call(target: Target, config: KernelConfig, aval, tiling, results):
     """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
     CTAs (at most one per row block; see ``full_grid``); ``results(ctas)`` gives the
     result structs, which may depend on the grid (per-CTA partials)."""
     m = rows(aval)
-    kernel = get_kernel(op, aval.dtype.name, tiling, target.arch, variant)
+    kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     ctas = -(-m // tiling.rows_per_cta)
     if _one_wave[-1]:
         ctas = min(ctas, resident_ctas(kernel, tiling, target.sms))
     grid = (ctas, tiling.cluster_n, 1)
-    return _ffi.call(kernel, grid, tiling.block, tiling.cluster, (m, *scalars), results(ctas))
+    scalars = (m, *config.scalars())
+    return _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, results(ctas))
 
 
 class RowwisePrimitive:

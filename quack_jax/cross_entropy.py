@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _configs
 from ._checks import axis_index, float_array
 from ._partition import ROWS, STAT, role_aval
 from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling
@@ -111,16 +112,16 @@ def _forward_kernel(
     tiling = row_tiling(x, "ce_grad" if grad else "ce_fwd", live=1 + bool(smoothing))
     if tiling is None:
         return None
-    variant = (
-        (("smoothing", True),) * bool(smoothing)
-        + (("softcap", True),) * (softcap is not None)
-        + (("grad", True),) * grad
+    config = _configs.CrossEntropyForward(
+        smoothing=bool(smoothing),
+        softcap=softcap is not None,
+        grad=grad,
+        ignore_index=int(ignore_index),
+        label_smoothing=float(smoothing),
+        z_loss=float(z_loss),
+        cap=float(softcap or 0.0),
     )
-    scalars = (int(ignore_index), float(smoothing), float(z_loss), float(softcap or 0.0))
-    aliases = {0: 2} if inplace else None
-    return kernel_call(
-        target, "cross_entropy_fwd", x, tiling, avals_out, scalars, variant, aliases=aliases
-    )
+    return kernel_call(target, config, x, tiling, avals_out, aliases={0: 2} if inplace else None)
 
 
 _forward = RowwisePrimitive(
@@ -154,19 +155,9 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, softcap, inplace):
     tiling = row_tiling(x, "ce_bwd")
     if tiling is None:
         return None
-    variant = (("softcap", True),) if softcap is not None else ()
-    scalars = (float(softcap or 0.0),)
-    return kernel_call(
-        target,
-        "cross_entropy_bwd",
-        x,
-        tiling,
-        avals_out,
-        scalars,
-        variant,
-        cluster=False,
-        aliases={0: 0} if inplace else None,
-    )
+    config = _configs.CrossEntropyBackward(softcap=softcap is not None, cap=float(softcap or 0.0))
+    aliases = {0: 0} if inplace else None
+    return kernel_call(target, config, x, tiling, avals_out, cluster=False, aliases=aliases)
 
 
 _backward = RowwisePrimitive(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _configs
 from ._checks import float_array
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import RowwisePrimitive, Target, persistent_call, row_tiling
@@ -95,15 +96,16 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, ou
     tiling = row_tiling(x, "norm_fwd", widest, forward_live(**flags), staged)
     if tiling is None:
         return None
-    variant = (
-        (("residual", True),) * flags["residual"]
-        + ((("weight", w.dtype.name),) if w is not None else ())
-        + ((("bias", b.dtype.name),) if b is not None else ())
-        + ((("out", out_dtype),) if out_dtype != x.dtype.name else ())
+    config = _configs.NormForward(
+        rms=rms,
+        residual=flags["residual"],
+        weight=w.dtype.name if w is not None else None,
+        bias=b.dtype.name if b is not None else None,
+        out=out_dtype if out_dtype != x.dtype.name else None,
+        eps=float(eps),
+        offset=float(offset) if w is not None else None,
     )
-    op = "rms_norm_fwd" if rms else "layer_norm_fwd"
-    scalars = (float(eps),) + ((float(offset),) if w is not None else ())
-    return persistent_call(target, op, x, tiling, lambda ctas: avals_out, scalars, variant)
+    return persistent_call(target, config, x, tiling, lambda ctas: avals_out)
 
 
 def _forward_batch(operands, dims, **params):
@@ -181,18 +183,20 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
     tiling = row_tiling(h, "norm_bwd", widest, backward_live(**flags), staged)
     if tiling is None:
         return None
-    variant = (
-        ((("weight", w.dtype.name),) if w is not None else ())
-        + ((("dy", dy.dtype.name),) if dy.dtype != h.dtype else ())
-        + tuple((k, True) for k in ("dh", "weight_grad", "bias_grad") if flags[k])
+    config = _configs.NormBackward(
+        rms=rms,
+        weight=w.dtype.name if w is not None else None,
+        dy=dy.dtype.name if dy.dtype != h.dtype else None,
+        dh=flags["dh"],
+        weight_grad=flags["weight_grad"],
+        bias_grad=flags["bias_grad"],
+        offset=float(offset) if w is not None else None,
     )
-    op = "rms_norm_bwd" if rms else "layer_norm_bwd"
 
     def results(ctas):
         return [avals_out[0]] + [jax.ShapeDtypeStruct((ctas, h.shape[-1]), jnp.float32)] * grads
 
-    scalars = (float(offset),) if w is not None else ()
-    launch = persistent_call(target, op, h, tiling, results, scalars, variant)
+    launch = persistent_call(target, config, h, tiling, results)
 
     def fn(*operands):
         dx, *parts = launch(*operands)

@@ -16,11 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
+from . import _configs
 from ._checks import axis_index, float_array
+from ._configs import KernelConfig
 from ._partition import WHOLE
 from ._primitive import RowwisePrimitive, kernel_call, row_tiling
 
-_KERNEL_OPS = {"softmax": "softmax_bwd", "log_vjp": "log_softmax_bwd", "log_jvp": "log_softmax_jvp"}
 _TRANSPOSED = {"softmax": "softmax", "log_vjp": "log_jvp", "log_jvp": "log_vjp"}
 
 
@@ -65,23 +66,25 @@ def _derivative_transpose(cts, t, x, *, kind):
     return [_derivative.bind(ct, x, kind=_TRANSPOSED[kind])[0], None]
 
 
-def _kernel(family: str, op: str):
+def _kernel(family: str, config: type[KernelConfig]):
+    """The kernel lowering: the primitive's params are the config's fields."""
+
     def kernel(target, avals_in, avals_out, **params):
         tiling = row_tiling(avals_in[0], family)
-        return tiling and kernel_call(target, op(**params), avals_in[0], tiling, avals_out)
+        return tiling and kernel_call(target, config(**params), avals_in[0], tiling, avals_out)
 
     return kernel
 
 
 _forward = RowwisePrimitive(
     "quack_jax_softmax",
-    kernel=_kernel("softmax_fwd", lambda log: "log_softmax_fwd" if log else "softmax_fwd"),
+    kernel=_kernel("softmax_fwd", _configs.Softmax),
     reference=_reference_forward,
     jvp=_forward_jvp,
 )
 _derivative = RowwisePrimitive(
     "quack_jax_softmax_derivative",
-    kernel=_kernel("softmax_bwd", lambda kind: _KERNEL_OPS[kind]),
+    kernel=_kernel("softmax_bwd", _configs.SoftmaxDerivative),
     reference=_reference_derivative,
     transpose=_derivative_transpose,
 )

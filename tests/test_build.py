@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import quack_jax
-from quack_jax import _cache, _ffi, build
+from quack_jax import _cache, _configs, _ffi, build
 from quack_jax._primitive import full_grid
 from quack_jax._tiling import RowTiling, choose_tiling
 
@@ -279,6 +279,23 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     with full_grid():
         assert grid() == 65536 // tiling.rows_per_cta > one_wave
     assert grid() == one_wave
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("config", _configs.KernelConfig.__subclasses__(), ids=lambda c: c.__name__)
+def test_kernel_configs_match_the_kernels(config):
+    """Each configuration names its kernel's scalar parameters (after ``m``, before the
+    stream) in order, and its options are keyword arguments of the kernel class."""
+    import inspect
+
+    from quack_jax import kernels
+
+    cls, fixed = kernels.KERNELS[config().op]
+    params = list(inspect.signature(cls.__call__).parameters)
+    assert tuple(params[params.index("m") + 1 : -1]) == config.scalar_names()
+    init = inspect.signature(cls.__init__).parameters
+    assert {f.name for f in config._fields("option")} <= set(init)
+    assert set(fixed) <= set(init)
 
 
 def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):
