@@ -360,7 +360,7 @@ def train(
     import jax
 
     import quack_jax
-    from quack_jax._primitive import KERNEL_ARCHS
+    from quack_jax._primitive import kernel_arch
 
     params, opt_state, step, by_rows = setup(cfg, variant, steps, devices, seed, vocab_parallel)
     tokens, pieces = cached_tokens(cfg)
@@ -390,8 +390,7 @@ def train(
         variant=variant,
         device=f"{devices} x {jax.devices()[0].device_kind}",
         mesh=dict(by_rows.mesh.shape),
-        kernels=jax.devices()[0].platform == "gpu"
-        and getattr(jax.devices()[0], "compute_capability", "") in KERNEL_ARCHS,
+        kernels=kernel_arch(jax.devices()[0]) is not None,
         jax=jax.__version__,
         quack_jax=quack_jax.__version__,
         corpus_tokens=len(tokens),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 import jax.numpy as jnp
@@ -35,3 +37,25 @@ def axis_index(fn: str, axis, ndim: int) -> int:
     if not -ndim <= index < ndim:
         raise ValueError(f"{fn}: axis {axis} is out of range for an array of rank {ndim}")
     return index % ndim
+
+
+def static_float(fn: str, name: str, value, *, low=None, high=None, positive=False) -> float:
+    """``value`` as a finite Python float (a static value, not an array): above 0 with
+    ``positive``, at least ``low`` and below ``high`` where they are given."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{fn}: {name} must be a Python float (a static value, not an array), "
+            f"got {type(value).__name__}"
+        )
+    value = float(value)
+    ok = math.isfinite(value) and (value > 0 or not positive)
+    ok = ok and (low is None or value >= low) and (high is None or value < high)
+    if not ok:
+        if positive:
+            allowed = "positive and finite"
+        elif high is not None:
+            allowed = f"in [{low}, {high})"
+        else:
+            allowed = "finite" if low is None else f">= {low} and finite"
+        raise ValueError(f"{fn}: {name} must be {allowed}, got {value}")
+    return value

@@ -68,11 +68,24 @@ def kernel_target(ctx: mlir.LoweringRuleContext) -> Target | None:
         arch = os.environ.get("QUACK_JAX_CUDA_ARCH")
         return Target(arch) if arch in KERNEL_ARCHS.values() else None
     devices = backend.local_devices()
-    capabilities = {getattr(d, "compute_capability", None) for d in devices}
-    arch = KERNEL_ARCHS.get(capabilities.pop()) if len(capabilities) == 1 else None
+    archs = {kernel_arch(d) for d in devices}
+    arch = archs.pop() if len(archs) == 1 else None
     if arch is None:
         return None
     return Target(arch, min(getattr(d, "core_count", DEFAULT_SMS) for d in devices))
+
+
+def compute_dtype(dtype):
+    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def kernel_arch(device) -> str | None:
+    """The arch quack_jax's kernels are compiled for on ``device``, or None if it has
+    none (not a CUDA GPU of a supported compute capability)."""
+    if device.platform != "gpu":
+        return None
+    return KERNEL_ARCHS.get(getattr(device, "compute_capability", None))
 
 
 def rows(aval) -> int:

@@ -56,7 +56,7 @@ from jax import lax
 
 import quack_jax
 from quack_jax import _cache, _ffi
-from quack_jax._primitive import KERNEL_ARCHS, full_grid
+from quack_jax._primitive import full_grid, kernel_arch
 from quack_jax._tiling import (
     ITEMSIZE,
     RowTiling,
@@ -351,8 +351,7 @@ OPS = {
 
 
 def kernel_device() -> bool:
-    device = jax.devices()[0]
-    return device.platform == "gpu" and getattr(device, "compute_capability", "") in KERNEL_ARCHS
+    return kernel_arch(jax.devices()[0]) is not None
 
 
 def describe() -> str:

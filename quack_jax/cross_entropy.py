@@ -12,7 +12,6 @@ lse) the two-kernel one. The reductions over rows are plain XLA on per-row value
 from __future__ import annotations
 
 import functools
-import math
 import numbers
 
 import jax
@@ -20,26 +19,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _configs
-from ._checks import axis_index, float_array
+from ._checks import axis_index, float_array, static_float
 from ._partition import ROWS, STAT, role_aval
-from ._primitive import RowwisePrimitive, Target, kernel_call, row_tiling
+from ._primitive import RowwisePrimitive, Target, compute_dtype, kernel_call, row_tiling
 
 REDUCTIONS = ("none", "sum", "mean")
 _INT32 = np.iinfo(np.int32)
 
 
-def _compute_dtype(dtype):
-    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
-    return jnp.promote_types(dtype, jnp.float32)
-
-
 def _capped(logits, softcap):
-    x = logits.astype(_compute_dtype(logits.dtype))
+    x = logits.astype(compute_dtype(logits.dtype))
     return x if softcap is None else softcap * jnp.tanh(x / softcap)
 
 
 def _row_stat(x):
-    return role_aval(x, STAT, _compute_dtype(x.dtype))
+    return role_aval(x, STAT, compute_dtype(x.dtype))
 
 
 def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0):
@@ -313,20 +307,6 @@ _reduced.defvjp(_reduced_forward, _reduced_backward)
 # -- the public functions -----------------------------------------------------------
 
 
-def _real(fn: str, name: str, value, low: float, high: float | None = None) -> float:
-    """A static float in [low, high) (or [low, inf) without ``high``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: {name} must be a Python float (a static value, not an array), "
-            f"got {type(value).__name__}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and low <= value and (high is None or value < high)):
-        allowed = f"in [{low}, {high})" if high is not None else f">= {low} and finite"
-        raise ValueError(f"{fn}: {name} must be {allowed}, got {value}")
-    return value
-
-
 def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse):
     """The checked options of a cross-entropy, as ``(ignore_index, label_smoothing,
     z_loss, logit_softcap)``; errors name ``fn`` and the argument."""
@@ -338,11 +318,11 @@ def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
         raise ValueError(f"{fn}: ignore_index must fit in int32, got {ignore_index}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{fn}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    smoothing = _real(fn, "label_smoothing", label_smoothing, 0.0, 1.0)
-    z_loss = _real(fn, "z_loss", z_loss, 0.0)
+    smoothing = static_float(fn, "label_smoothing", label_smoothing, low=0.0, high=1.0)
+    z_loss = static_float(fn, "z_loss", z_loss, low=0.0)
     softcap = None
     if logit_softcap is not None:
-        softcap = _real(fn, "logit_softcap", logit_softcap, 0.0)
+        softcap = static_float(fn, "logit_softcap", logit_softcap, low=0.0)
         if softcap == 0.0:
             raise ValueError(f"{fn}: logit_softcap must be positive or None, got 0.0")
     if not isinstance(return_lse, bool):
@@ -448,7 +428,7 @@ def softmax_cross_entropy_with_integer_labels(
     n = logits.shape[-1]
     if where is not None and jnp.ndim(where) == logits.ndim:
         where = jnp.moveaxis(jnp.asarray(where), axis, -1)
-        lse = jax.nn.logsumexp(logits.astype(_compute_dtype(logits.dtype)), axis=-1, where=where)
+        lse = jax.nn.logsumexp(logits.astype(compute_dtype(logits.dtype)), axis=-1, where=where)
         target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
         return jnp.where(jnp.any(where, axis=-1), lse - target, 0.0)
     wrapped = jnp.where(labels < 0, labels + n, labels)

@@ -46,10 +46,10 @@ from ._partition import (
     role_aval,
     varying_like,
 )
+from ._primitive import compute_dtype
 from .cross_entropy import (
     _backward_split,
     _coefficients,
-    _compute_dtype,
     _forward_split,
     _reduce,
     _row_weights,
@@ -132,7 +132,7 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     lead, d = labels.shape, h.shape[-1]
     h, labels = h.reshape(-1, d), labels.reshape(-1)
     per_row = [p.reshape(-1) for p in per_row]
-    t, stat = h.shape[0], _compute_dtype(linear.dtype)
+    t, stat = h.shape[0], compute_dtype(linear.dtype)
     ignore_index, smoothing, z_loss, softcap = ce
     grads = _gradient_names(mode, needs)
     vocab = w.shape[0 if linear.transpose else 1]
@@ -274,7 +274,7 @@ def _partitioned(params, avals_in, avals_out):
 
 def _abstract(*avals, mode, needs, has_bias, linear, ce):
     h, w, bias, _, _ = _unpack(avals, has_bias)
-    stat = role_aval(h, STAT, _compute_dtype(linear.dtype))
+    stat = role_aval(h, STAT, compute_dtype(linear.dtype))
     grad = {
         "dh": h.update(weak_type=False),
         "dw": w.update(dtype=np.dtype("float32"), weak_type=False),

@@ -12,8 +12,6 @@ means ``psum``'d.
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -21,14 +19,9 @@ import numpy as np
 from jax import lax
 
 from . import _configs
-from ._checks import float_array
+from ._checks import float_array, static_float
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
-from ._primitive import RowwisePrimitive, Target, persistent_call, row_tiling
-
-
-def _compute_dtype(dtype):
-    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
-    return jnp.promote_types(dtype, jnp.float32)
+from ._primitive import RowwisePrimitive, Target, compute_dtype, persistent_call, row_tiling
 
 
 def _split(operands, *flags):
@@ -60,7 +53,7 @@ def _fold(operands, dims, vectors):
 
 
 def _forward_abstract(x, *rest, rms, residual, out_dtype, **_):
-    stat = role_aval(x, STAT, _compute_dtype(x.dtype))
+    stat = role_aval(x, STAT, compute_dtype(x.dtype))
     outs = [x.update(dtype=np.dtype(out_dtype), weak_type=False)]
     outs += [x.update(weak_type=False)] if residual else []
     return outs + [stat] * (1 if rms else 2)
@@ -68,7 +61,7 @@ def _forward_abstract(x, *rest, rms, residual, out_dtype, **_):
 
 def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, bias, row=WHOLE):
     res, w, b = _split(rest, residual, weight, bias)
-    ct = _compute_dtype(x.dtype)
+    ct = compute_dtype(x.dtype)
     h = x if res is None else (x.astype(ct) + res.astype(ct)).astype(x.dtype)
     h32 = h.astype(ct)
     mean = jnp.zeros((*h32.shape[:-1], 1), ct) if rms else row.mean(h32)
@@ -136,7 +129,7 @@ _forward = RowwisePrimitive(
 
 
 def _backward_abstract(dy, h, *rest, weight_grad, bias_grad, **_):
-    grad = role_aval(h, VECTOR, _compute_dtype(h.dtype))
+    grad = role_aval(h, VECTOR, compute_dtype(h.dtype))
     return [h.update(weak_type=False)] + [grad] * (weight_grad + bias_grad)
 
 
@@ -295,18 +288,6 @@ _norm.defvjp(_norm_forward, _norm_backward)
 # -- the public functions -----------------------------------------------------------
 
 
-def _real(fn: str, name: str, value, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{fn}: {name} must be a Python float (a static value, not an array), "
-            f"got {type(value).__name__}"
-        )
-    value = float(value)
-    if not math.isfinite(value) or (positive and value <= 0):
-        raise ValueError(f"{fn}: {name} must be {'positive and ' * positive}finite, got {value}")
-    return value
-
-
 def _vector(fn: str, name: str, v, x):
     if v is None:
         return None
@@ -333,8 +314,8 @@ def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_
             raise TypeError(
                 f"{fn}: residual must have x's dtype {x.dtype.name}, got {residual.dtype.name}"
             )
-    eps = _real(fn, "eps", eps, positive=True)
-    offset = _real(fn, "weight_offset", weight_offset)
+    eps = static_float(fn, "eps", eps, positive=True)
+    offset = static_float(fn, "weight_offset", weight_offset)
     if offset and weight is None:
         raise ValueError(f"{fn}: weight_offset={offset} needs a weight")
     if not isinstance(prenorm, bool):

@@ -20,18 +20,13 @@ from . import _configs
 from ._checks import axis_index, float_array
 from ._configs import KernelConfig
 from ._partition import WHOLE
-from ._primitive import RowwisePrimitive, kernel_call, row_tiling
+from ._primitive import RowwisePrimitive, compute_dtype, kernel_call, row_tiling
 
 _TRANSPOSED = {"softmax": "softmax", "log_vjp": "log_jvp", "log_jvp": "log_vjp"}
 
 
-def _compute_dtype(x):
-    """float32 math for the 16-bit dtypes, as the kernels do; float64 stays float64."""
-    return jnp.promote_types(x.dtype, jnp.float32)
-
-
 def _reference_forward(x, *, log: bool, row=WHOLE):
-    x32 = x.astype(_compute_dtype(x))
+    x32 = x.astype(compute_dtype(x.dtype))
     shifted = x32 - jax.lax.stop_gradient(row.max(x32))
     e = jnp.exp(shifted)
     total = row.sum(e)
@@ -40,7 +35,7 @@ def _reference_forward(x, *, log: bool, row=WHOLE):
 
 
 def _reference_derivative(t, x, *, kind: str, row=WHOLE):
-    t32 = t.astype(_compute_dtype(t))
+    t32 = t.astype(compute_dtype(t.dtype))
     (p,) = _reference_forward(x.astype(t32.dtype), log=False, row=row)
     if kind == "softmax":
         out = p * (t32 - row.sum(t32 * p))

@@ -15,10 +15,12 @@ os.environ["XLA_FLAGS"] = (
 import jax
 import pytest
 
+from quack_jax._primitive import kernel_arch
+
 
 def kernel_devices():
     try:
-        return [d for d in jax.devices("cuda") if d.compute_capability == "9.0"]
+        return [d for d in jax.devices("cuda") if kernel_arch(d)]
     except RuntimeError:
         return []
 
