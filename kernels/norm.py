@@ -31,11 +31,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from quack_jax._tiling import round_up
+
 from .rowwise import RowKernel
-
-
-def _round_up(x: int, k: int) -> int:
-    return -(-x // k) * k
 
 
 class NormForward(RowKernel):
@@ -137,7 +135,7 @@ class NormBackward(RowKernel):
         # one (rows, columns) float32 tile per gradient to add up the rows of a CTA
         self.partial_tile = (t.rows_per_cta, t.cols_per_cta) if t.rows_per_cta > 1 else None
         if self.partial_tile:
-            self.smem_bytes += len(self.grads) * _round_up(t.rows_per_cta * t.cols_per_cta * 4, 16)
+            self.smem_bytes += len(self.grads) * round_up(t.rows_per_cta * t.cols_per_cta * 4, 16)
 
     def compile_args(self):
         p, stat = self.pointer, lambda: self.pointer(Float32, row=False)

@@ -88,15 +88,15 @@ class RowTiling:
         buffers (a kernel with several round trips in flight keeps one per round trip)."""
         needs_buffer = self.warps_per_row > 1 or self.cluster_n > 1
         buffer = self.reduction_slots() * words * 4 * copies if needs_buffer else 0
-        barriers = _round_up(8 * copies, 16) if self.cluster_n > 1 else 0
-        return barriers + _round_up(buffer, 16)
+        barriers = round_up(8 * copies, 16) if self.cluster_n > 1 else 0
+        return barriers + round_up(buffer, 16)
 
     @property
     def tag(self) -> str:
         return f"t{self.threads_per_row}x{self.num_threads}c{self.cluster_n}v{self.vec}"
 
 
-def _round_up(x: int, k: int) -> int:
+def round_up(x: int, k: int) -> int:
     return -(-x // k) * k
 
 
