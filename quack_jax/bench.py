@@ -2,7 +2,7 @@
 forward, and forward plus backward (``jax.vjp``), on the shapes of the project's anchors.
 
     python -m quack_jax.bench                  # every op's table on this machine's default device
-    python -m quack_jax.bench --quick          # small shapes, seconds on a CPU
+    python -m quack_jax.bench --quick          # small shapes, about a minute on a 2-core CPU
     python -m quack_jax.bench --ops rms_norm --tune --out DIR  # and every candidate tiling (GPU)
 
 Ops: softmax, rms_norm, layer_norm, cross_entropy (``--ops``); each writes ``<op>.md``,
