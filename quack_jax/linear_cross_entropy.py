@@ -158,8 +158,11 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
 
         hc = rows(h)
         logits = linear.logits(hc, w, bias)
-        coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[mode == "backward" :]]
-        inputs = (logits, rows(labels), *map(rows, per_row[: mode == "backward"]), *coefficients)
+        # the per-row gradient coefficients: the weights in "grad"; a, b, c after lse in
+        # "backward"
+        kept = 1 if mode == "backward" else 0
+        coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[kept:]]
+        inputs = (logits, rows(labels), *map(rows, per_row[:kept]), *coefficients)
         if mode == "backward":
             (dlogits,) = _backward_split(row, softcap=softcap, inplace=True)(*inputs)
         else:
