@@ -6,10 +6,11 @@
     python benchmarks/prebuild.py --cache .cubins --tune cross_entropy  # one op's only
     python benchmarks/prebuild.py --cache .cubins --only test_gpu_cross_entropy linear_ce
 
-Softmax kernels are listed as configs (``specs``) and built directly. The norm and
-cross-entropy kernels are built by lowering the benchmark's quack_jax functions (and the
-cases that the GPU test modules, ``sharded.py`` and ``train_lm.py`` list in
-``prebuild_cases()``) for an sm_90a CUDA device on this machine: lowering takes each
+Every kernel is built by lowering, for an sm_90a CUDA device on this machine, the
+functions that launch it: the benchmark's quack_jax functions (and, with ``--tune``, each
+tuned kernel under each candidate tiling), the softmax GPU tests' sizes through the op
+registry's build functions, and the cases that the GPU test modules, ``sharded.py``,
+``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``. Lowering takes each
 kernel from the cache and compiles the missing ones, so exactly the kernels (variants,
 tilings) those functions launch get built.
 
@@ -36,12 +37,12 @@ import jax  # noqa: E402
 import shapes  # noqa: E402
 
 from quack_jax import _cache, _ffi, bench  # noqa: E402
+from quack_jax._registry import specs  # noqa: E402
 from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
-from quack_jax.build import build, configs  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 
 ARCH = "sm_90a"
-LOWERED = ("rms_norm", "layer_norm", "cross_entropy")
+BENCH_OPS = tuple(bench.OPS)
 # modules whose prebuild_cases() list functions that the GPU runs launch kernels from
 CASE_MODULES = (
     "test_gpu_norm",
@@ -56,14 +57,6 @@ CASE_MODULES = (
 )
 
 
-def specs(tune: bool = False):
-    """Softmax configs of the tests and the benchmark; with ``tune``, the tuner's too."""
-    sizes = sorted(set(shapes.GPU_SIZES) | set(shapes.SPECIAL_SIZES))
-    out = configs(["softmax", "log_softmax"], shapes.GPU_DTYPES, sizes)
-    out += configs(["softmax"], bench.DTYPES, [n for _, n in bench.SHAPES], candidates=tune)
-    return list(dict.fromkeys(out))
-
-
 class Lowering(NamedTuple):
     label: str
     fn: Callable
@@ -72,8 +65,8 @@ class Lowering(NamedTuple):
     needs_kernel: bool = True  # lowering without a kernel launch is an error
 
 
-def _benchmark_shapes(ops=LOWERED):
-    """(op, dtype, n, the op's arguments) for every norm benchmark shape, ``--quick``'s too
+def _benchmark_shapes(ops=BENCH_OPS):
+    """(op, dtype, n, the op's arguments) for every benchmark shape of ``ops``, ``--quick``'s too
     (the kernels depend on n, not on the number of rows)."""
     for name in ops:
         op = bench.OPS[name]
@@ -83,17 +76,18 @@ def _benchmark_shapes(ops=LOWERED):
                 yield op, dtype, n, args
 
 
-def benchmark_lowerings() -> list[Lowering]:
-    """The benchmark's quack_jax norm functions at every dtype and row length it runs."""
+def benchmark_lowerings(ops=BENCH_OPS) -> list[Lowering]:
+    """The benchmark's quack_jax functions of ``ops`` at every dtype and row length it
+    runs."""
     return [
         Lowering(f"{op.name} {case.key} {dtype} n={n}", case.fn, args[: case.args])
-        for op, dtype, n, args in _benchmark_shapes()
+        for op, dtype, n, args in _benchmark_shapes(ops)
         for case in op.cases
         if case.kernel
     ]
 
 
-def tuning_lowerings(defaults, ops=LOWERED) -> list[Lowering]:
+def tuning_lowerings(defaults, ops=BENCH_OPS) -> list[Lowering]:
     """Each kernel of ``ops`` that the tuner times, under each of its candidate tilings;
     ``defaults`` maps (kernel op, dtype, n) to the tiling the benchmark's functions launch."""
     out = []
@@ -157,15 +151,30 @@ def _lower(low: Lowering, arch: str) -> int:
     return launches
 
 
+def softmax_test_lowerings() -> list[Lowering]:
+    """The softmax GPU tests' kernels: every size and dtype they run, through the op
+    registry's build functions (sizes past the kernels' reach launch none)."""
+    sizes = sorted(set(shapes.GPU_SIZES) | set(shapes.SPECIAL_SIZES))
+    registry = specs()
+    return [
+        Lowering(f"{op} {dtype} n={n}", fn, args, needs_kernel=False)
+        for op in ("softmax", "log_softmax")
+        for dtype in shapes.GPU_DTYPES
+        for n in sizes
+        for fn, args in registry[op].lowerings(op, dtype, n, False)
+    ]
+
+
 def build_lowered(tune=(), verbose: bool = True):
-    """Every norm and cross-entropy kernel that the benchmark (and its tuner, for the ops in
-    ``tune``) and the GPU tests launch, built by lowering them for sm_90a. Returns the kernels (see
+    """Every kernel that the benchmark (and its tuner, for the ops in ``tune``) and the GPU
+    tests launch, built by lowering them for sm_90a. Returns the kernels (see
     ``lower_for_cuda``)."""
-    kernels = lower_for_cuda(benchmark_lowerings(), "benchmark norms, cross-entropy", ARCH, verbose)
+    kernels = lower_for_cuda(benchmark_lowerings(), "benchmark", ARCH, verbose)
     if tune:
         defaults = {(op, dtype, tiling.n): tiling for op, dtype, tiling, _ in kernels}
         candidates = tuning_lowerings(defaults, tune)
         kernels += lower_for_cuda(candidates, "tuner candidates", ARCH, verbose)
+    kernels += lower_for_cuda(softmax_test_lowerings(), "softmax GPU tests", ARCH, verbose)
     kernels += lower_for_cuda(case_lowerings(), "GPU test and script cases", ARCH, verbose)
     return list(dict.fromkeys(kernels))
 
@@ -186,9 +195,8 @@ def main():
     if args.only:
         lower_for_cuda(case_lowerings(args.only), "the cases of " + ", ".join(args.only))
         return
-    tune = [] if args.tune is None else args.tune or ["softmax", *LOWERED]
-    build(specs("softmax" in tune), ARCH)
-    kernels = build_lowered([op for op in tune if op in LOWERED])
+    tune = [] if args.tune is None else args.tune or list(BENCH_OPS)
+    kernels = build_lowered(tune)
     counts = collections.Counter(op for op, *_ in kernels)
     print(f"{len(kernels)} lowered kernels: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
 

@@ -160,7 +160,7 @@ def kernels_used():
     try:
         yield used
     finally:
-        _recorders.remove(seen)
+        _recorders[:] = [r for r in _recorders if r is not seen]  # blocks may nest
         used += list(seen)
 
 

@@ -311,7 +311,7 @@ def _xla_ce(logits, labels):
 def _ce_backward(logits, labels, lse, coefficient):
     zero = jnp.zeros_like(coefficient)
     return _ce_backward_primitive.bind(
-        logits, labels, lse, coefficient, coefficient, zero, softcap=None
+        logits, labels, lse, coefficient, coefficient, zero, softcap=None, inplace=False
     )[0]
 
 

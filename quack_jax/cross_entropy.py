@@ -22,6 +22,7 @@ from . import _configs
 from ._checks import axis_index, float_array, static_float
 from ._partition import ROWS, STAT, role_aval
 from ._primitive import RowwisePrimitive, Target, compute_dtype, kernel_call, row_tiling
+from ._spec import OpSpec
 
 REDUCTIONS = ("none", "sum", "mean")
 _INT32 = np.iinfo(np.int32)
@@ -442,3 +443,30 @@ def softmax_cross_entropy_with_integer_labels(
             )
         loss = jnp.where(where, loss, 0.0)
     return loss
+
+
+def _lowerings(op: str, dtype: str, n: int, packaged: bool):
+    """With each kernel variant (label smoothing or not, softcap or not; ``packaged``:
+    neither), the gradient of the mean loss (one forward kernel that writes the
+    gradient), and the per-row losses and lse under ``jax.vjp`` (forward and backward
+    kernels)."""
+    args = (jax.ShapeDtypeStruct((8, n), dtype), jax.ShapeDtypeStruct((8,), "int32"))
+    for smoothing in (0.0,) if packaged else (0.0, 0.1):
+        for softcap in (None,) if packaged else (None, 30.0):
+            options = dict(label_smoothing=smoothing, logit_softcap=softcap)
+
+            def mean(x, labels, options=options):
+                return jax.value_and_grad(lambda x: cross_entropy(x, labels, **options))(x)
+
+            def rows(x, labels, options=options):
+                def f(x):
+                    return cross_entropy(x, labels, reduction="none", return_lse=True, **options)
+
+                out, vjp = jax.vjp(f, x)
+                return out, vjp(out)
+
+            yield mean, args
+            yield rows, args
+
+
+SPEC = OpSpec(ops=("cross_entropy",), sizes="vocab", lowerings=_lowerings)

@@ -22,6 +22,7 @@ from . import _configs
 from ._checks import float_array, static_float
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import RowwisePrimitive, Target, compute_dtype, persistent_call, row_tiling
+from ._spec import OpSpec
 
 
 def _split(operands, *flags):
@@ -389,3 +390,31 @@ def layer_norm(
     return _apply(
         "layer_norm", False, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype
     )
+
+
+NORM_MIXES = ((False, False), (True, False), (True, True))  # (residual, prenorm)
+
+
+def _lowerings(op: str, dtype: str, n: int, packaged: bool):
+    """Forward and backward (``jax.vjp``) of ``op`` for the usual operand mixes: no weight,
+    or weights in x's dtype or float32; no residual, a residual, a pre-norm one.
+    ``packaged``: weights in x's dtype or float32, no residual or a pre-norm one."""
+    apply = rms_norm if op == "rms_norm" else layer_norm
+    row = jax.ShapeDtypeStruct((8, n), dtype)
+    param_dtypes = (dtype, "float32") if packaged else (None, dtype, "float32")
+    for param_dtype in param_dtypes:
+        vec = jax.ShapeDtypeStruct((n,), param_dtype) if param_dtype else None
+        params = (vec,) * (1 if op == "rms_norm" else 2) if vec else ()
+        for residual, prenorm in NORM_MIXES[::2] if packaged else NORM_MIXES:
+
+            def fn(x, params, res, dy, prenorm=prenorm):
+                def f(x, params, res):
+                    return apply(x, *params, residual=res, prenorm=prenorm)
+
+                out, vjp = jax.vjp(f, x, params, res)
+                return out, vjp((dy, x) if prenorm else dy)
+
+            yield fn, (row, params, row if residual else None, row)
+
+
+SPEC = OpSpec(ops=("rms_norm", "layer_norm"), sizes="hidden", lowerings=_lowerings)

@@ -21,6 +21,7 @@ from ._checks import axis_index, float_array
 from ._configs import KernelConfig
 from ._partition import WHOLE
 from ._primitive import RowwisePrimitive, compute_dtype, kernel_call, row_tiling
+from ._spec import OpSpec
 
 _TRANSPOSED = {"softmax": "softmax", "log_vjp": "log_jvp", "log_jvp": "log_vjp"}
 
@@ -117,3 +118,21 @@ def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
     fused backward kernel ``dx = dy - softmax(x) * sum(dy)``.
     """
     return _apply("log_softmax", x, axis, log=True)
+
+
+def _lowerings(op: str, dtype: str, n: int, packaged: bool):
+    """The forward and ``jax.vjp`` (forward and backward kernels); for log-softmax also
+    ``jax.jvp`` (its forward-mode kernel)."""
+    f = softmax if op == "softmax" else log_softmax
+    x = jax.ShapeDtypeStruct((8, n), dtype)
+
+    def vjp(x):
+        y, pullback = jax.vjp(f, x)
+        return y, pullback(x)
+
+    yield vjp, (x,)
+    if op == "log_softmax":
+        yield (lambda x: jax.jvp(f, (x,), (x,))), (x,)
+
+
+SPEC = OpSpec(ops=("softmax", "log_softmax"), sizes="sequence", lowerings=_lowerings)
