@@ -4,13 +4,13 @@
     python benchmarks/prebuild.py --cache .cubins --tune   # and the tuner's candidates
 
     python benchmarks/prebuild.py --cache .cubins --tune cross_entropy  # one op's only
-    python benchmarks/prebuild.py --cache .cubins --only test_gpu_cross_entropy linear_ce
+    python benchmarks/prebuild.py --cache .cubins --only test_cross_entropy linear_ce
 
 Every kernel is built by lowering, for an sm_90a CUDA device on this machine, the
 functions that launch it: the benchmark's quack_jax functions (and, with ``--tune``, each
 tuned kernel under each candidate tiling), the softmax GPU tests' sizes through the op
-registry's build functions, and the cases that the GPU test modules, ``sharded.py``,
-``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``. Lowering takes each
+registry's build functions, and the cases that the test modules with GPU tests,
+``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``. Lowering takes each
 kernel from the cache and compiles the missing ones, so exactly the kernels (variants,
 tilings) those functions launch get built.
 
@@ -34,7 +34,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import jax  # noqa: E402
-import shapes  # noqa: E402
 
 from quack_jax import _cache, _ffi, bench  # noqa: E402
 from quack_jax._registry import specs  # noqa: E402
@@ -42,14 +41,15 @@ from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 
 ARCH = "sm_90a"
-BENCH_OPS = tuple(bench.OPS)
+BENCH_OPS = tuple(bench.benchmarks())
 # modules whose prebuild_cases() list functions that the GPU runs launch kernels from
 CASE_MODULES = (
-    "test_gpu_norm",
-    "test_gpu_cross_entropy",
-    "test_gpu_linear_cross_entropy",
-    "test_gpu_sharding",
+    "test_norm",
+    "test_cross_entropy",
+    "test_linear_cross_entropy",
+    "test_sharding",
     "test_fuzz",
+    "test_registry",
     "test_export",
     "sharded",
     "train_lm",
@@ -69,7 +69,7 @@ def _benchmark_shapes(ops=BENCH_OPS):
     """(op, dtype, n, the op's arguments) for every benchmark shape of ``ops``, ``--quick``'s too
     (the kernels depend on n, not on the number of rows)."""
     for name in ops:
-        op = bench.OPS[name]
+        op = bench.benchmarks()[name]
         for dtype in bench.DTYPES:
             for n, m in {n: m for m, n in op.shapes + op.quick_shapes}.items():
                 args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
@@ -152,15 +152,16 @@ def _lower(low: Lowering, arch: str) -> int:
 
 
 def softmax_test_lowerings() -> list[Lowering]:
-    """The softmax GPU tests' kernels: every size and dtype they run, through the op
-    registry's build functions (sizes past the kernels' reach launch none)."""
-    sizes = sorted(set(shapes.GPU_SIZES) | set(shapes.SPECIAL_SIZES))
+    """The softmax GPU tests' kernels: every size and dtype of the family's gpu test grid
+    (``SPEC.tests``), through its build functions (sizes past the kernels' reach launch
+    none)."""
     registry = specs()
+    grid = registry["softmax"].tests["gpu"]
     return [
         Lowering(f"{op} {dtype} n={n}", fn, args, needs_kernel=False)
         for op in ("softmax", "log_softmax")
-        for dtype in shapes.GPU_DTYPES
-        for n in sizes
+        for dtype in grid.dtypes
+        for n in sorted(set(grid.sizes) | set(grid.special))
         for fn, args in registry[op].lowerings(op, dtype, n, False)
     ]
 

@@ -19,10 +19,10 @@ from collections import defaultdict
 def run(ops):
     import jax
 
-    from quack_jax.bench import DTYPES, OPS, make_inputs
+    from quack_jax.bench import DTYPES, benchmarks, make_inputs
 
     for name in ops:
-        op = OPS[name]
+        op = benchmarks()[name]
         for dtype in DTYPES:
             for m, n in op.shapes:
                 (arguments,) = make_inputs(op.arguments(m, n, dtype), 1, seed=m)
@@ -64,7 +64,7 @@ if __name__ == "__main__":
     if args.report:
         report(args.report)
     else:
-        from quack_jax.bench import OPS
+        from quack_jax.bench import benchmarks
 
-        run(args.ops or list(OPS))
+        run(args.ops or list(benchmarks()))
     sys.exit(0)

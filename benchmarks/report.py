@@ -17,9 +17,10 @@ import argparse
 import json
 import pathlib
 
+from quack_jax import bench
 from quack_jax.bench import bar_panel, save_figure
 
-OPS = ("softmax", "rms_norm", "layer_norm", "cross_entropy")
+OPS = tuple(bench.benchmarks())
 CASES = ("fwd", "fwd_bwd")
 IMPLS = ("quack_jax", "QuACK", "XLA")
 BEHIND = 0.97  # quack_jax / QuACK below this is listed as behind

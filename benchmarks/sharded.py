@@ -78,7 +78,7 @@ def rows_table(mesh, dtypes, reps):
     rows = []
     for dtype in dtypes:
         for name, (m, n) in ROW_SHAPES.items():
-            op = bench.OPS[name]
+            op = bench.benchmarks()[name]
             for case in (c for c in op.cases if c.key in CASES):
                 one = _time(op, case, m, n, dtype, reps=reps)
                 two = _time(op, case, 2 * m, n, dtype, mesh, True, reps)
@@ -91,7 +91,7 @@ def rows_table(mesh, dtypes, reps):
 
 def vocab_check(mesh):
     """The split loss and gradient against one GPU's, on one (8192, 128256) bf16 array."""
-    op = bench.OPS["cross_entropy"]
+    op = bench.benchmarks()["cross_entropy"]
     logits, labels, _ = bench.make_inputs(op.arguments(VOCAB_ROWS, VOCAB, "bfloat16"), 1, 7)[0]
     f = jax.jit(jax.value_and_grad(quack_jax.cross_entropy))
     split_loss, split_grad = f(*_placed([(logits, labels)], mesh, False)[0])
@@ -108,7 +108,7 @@ def vocab_check(mesh):
 
 
 def vocab_table(mesh, reps):
-    op = bench.OPS["cross_entropy"]
+    op = bench.benchmarks()["cross_entropy"]
     rows = []
     for case in (c for c in op.cases if c.key in CASES):
         one = _time(op, case, VOCAB_ROWS, VOCAB, "bfloat16", reps=reps)

@@ -10,6 +10,7 @@ passes them in; ``compile_args`` of each kernel class lists them.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import pathlib
 import tempfile
@@ -22,28 +23,19 @@ import cutlass.cute as cute
 from cutlass.base_dsl.dsl import BaseDSL
 from cutlass.cute.runtime import make_fake_stream
 
+from quack_jax import _registry
 from quack_jax._tiling import RowTiling
-
-from .cross_entropy import CrossEntropyBackward, CrossEntropyForward
-from .norm import NormBackward, NormForward
-from .softmax import SoftmaxDerivative, SoftmaxForward
 
 DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
-# op -> (kernel class, constructor options); a variant adds options per call
-KERNELS = {
-    "softmax_fwd": (SoftmaxForward, {"log": False}),
-    "log_softmax_fwd": (SoftmaxForward, {"log": True}),
-    "softmax_bwd": (SoftmaxDerivative, {"kind": "softmax"}),
-    "log_softmax_bwd": (SoftmaxDerivative, {"kind": "log_vjp"}),
-    "log_softmax_jvp": (SoftmaxDerivative, {"kind": "log_jvp"}),
-    "rms_norm_fwd": (NormForward, {"rms": True}),
-    "layer_norm_fwd": (NormForward, {"rms": False}),
-    "rms_norm_bwd": (NormBackward, {"rms": True}),
-    "layer_norm_bwd": (NormBackward, {"rms": False}),
-    "cross_entropy_fwd": (CrossEntropyForward, {}),
-    "cross_entropy_bwd": (CrossEntropyBackward, {}),
-}
+
+def kernel_class(op: str):
+    """The kernel class of kernel op ``op`` and the options that select it, from its
+    configuration (``KernelConfig.kernel_class`` and ``kernels``)."""
+    config = _registry.kernel_configs()[op]
+    module, name = config.kernel_class.split(":")
+    module = module if "." in module else f"{__name__}.{module}"
+    return getattr(importlib.import_module(module), name), config.kernels[op]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +51,7 @@ def compile_kernel(
     """Compile one kernel configuration to a cubin for ``arch`` (for example ``sm_90a``).
     ``variant`` is (option, value) pairs for the kernel class; dtype names among the
     values become CuTe-DSL types."""
-    cls, options = KERNELS[op]
+    cls, options = kernel_class(op)
     extra = {k: DTYPES.get(v, v) if isinstance(v, str) else v for k, v in variant}
     kernel = cls(DTYPES[dtype], tiling, **options, **extra)
     envar = BaseDSL._get_dsl().envar

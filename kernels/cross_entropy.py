@@ -35,15 +35,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from .rowwise import LN_2, LOG2_E, RowKernel, finite_or_zero_inf
-
-
-def _row_scalar(ptr: cute.Pointer, m: Int32, row):
-    return cute.make_tensor(ptr, cute.make_layout(m))[row]
-
-
-def _row_scalar_set(ptr: cute.Pointer, m: Int32, row, value):
-    cute.make_tensor(ptr, cute.make_layout(m))[row] = value
+from .rowwise import LN_2, LOG2_E, RowKernel, finite_or_zero_inf, per_row
 
 
 class _CrossEntropy(RowKernel):
@@ -119,7 +111,7 @@ class CrossEntropyForward(_CrossEntropy):
         if const_expr(self.smoothing):
             loss = loss - smoothing * (1.0 / n) * total
         loss = cutlass.select_(outside, Float32.nan, loss)
-        _row_scalar_set(ploss, m, row, cutlass.select_(ignored, Float32(0.0), loss))
+        per_row(ploss, m)[row] = cutlass.select_(ignored, Float32(0.0), loss)
 
     @cute.jit
     def __call__(
@@ -168,12 +160,11 @@ class CrossEntropyForward(_CrossEntropy):
         lse = finite_or_zero_inf(row_max) + cute.math.log2(row_sum, fastmath=True) * LN_2
         label = Int32(ignore_index)
         if cta.in_rows:
-            label = _row_scalar(plabels, m, cta.row)
+            label = per_row(plabels, m)[cta.row]
         ignored, outside = label == ignore_index, (label < 0) | (label >= n)
         row_loss = functools.partial(self.row_loss, ploss, m, cta.row, lse, total, ignored, outside)
         if const_expr(self.grad):
-            if cta.in_rows and cta.first_col:
-                _row_scalar_set(plse, m, cta.row, lse)
+            self.store_stat(cta, plse, m, lse)
         elif cta.in_rows and cta.first_col:
             col = cutlass.select_(outside, Int32(0), label)
             row = cute.make_tensor(
@@ -188,11 +179,9 @@ class CrossEntropyForward(_CrossEntropy):
             if const_expr(self.softcap):
                 target = cute.math.tanh(target * (1.0 / cap)) * cap
             row_loss(target, smoothing, z_loss)
-            _row_scalar_set(plse, m, cta.row, lse)
+            per_row(plse, m)[cta.row] = lse
         if const_expr(self.grad):
-            w = Float32(0.0)
-            if cta.in_rows:
-                w = _row_scalar(pw, m, cta.row)
+            w = self.load_stat(cta, pw, m)
             w = cutlass.select_(ignored, Float32(0.0), w)
             zterm = cutlass.select_(z_loss == 0.0, Float32(0.0), 2.0 * z_loss * lse)
             c = w * (smoothing * (1.0 / n))
@@ -235,6 +224,6 @@ class CrossEntropyBackward(_CrossEntropy):
         label = Int32(-1)
         lse, a, b, c = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
         if cta.in_rows:
-            label = _row_scalar(plabels, m, cta.row)
-            lse, a, b, c = (_row_scalar(p, m, cta.row) for p in (plse, pa, pb, pc))
+            label = per_row(plabels, m)[cta.row]
+            lse, a, b, c = (per_row(p, m)[cta.row] for p in (plse, pa, pb, pc))
         self.store_gradient(cta, x, label, lse, a, b, c, cap, cta.destinations[0])

@@ -275,14 +275,14 @@ class RowKernel:
         """This thread's row of a float32 (m,) tensor (0 for rows past the end)."""
         value = Float32(0.0)
         if cta.in_rows:
-            value = cute.make_tensor(ptr, cute.make_layout(m))[cta.row]
+            value = per_row(ptr, m)[cta.row]
         return value
 
     @cute.jit
     def store_stat(self, cta: CtaView, ptr: cute.Pointer, m: Int32, value: Float32):
         """Write this thread's row of a float32 (m,) tensor, once per row."""
         if cta.in_rows and cta.first_col:
-            cute.make_tensor(ptr, cute.make_layout(m))[cta.row] = value
+            per_row(ptr, m)[cta.row] = value
 
     @cute.jit
     def rounded(self, values: cute.TensorSSA, dtype) -> cute.TensorSSA:
@@ -521,6 +521,11 @@ class RowKernel:
             e = e * cute.math.exp2((m - base) * LOG2_E, fastmath=True)
             m = m_row
         return m, s, e, w
+
+
+def per_row(ptr: cute.Pointer, m: Int32) -> cute.Tensor:
+    """The (m,) tensor of one value per row at ``ptr`` (statistics, labels)."""
+    return cute.make_tensor(ptr, cute.make_layout(m))
 
 
 def finite_or_zero(m: Float32) -> Float32:

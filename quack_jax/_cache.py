@@ -32,6 +32,7 @@ import tempfile
 import threading
 import warnings
 
+from . import _registry
 from ._tiling import RowTiling
 
 
@@ -135,9 +136,8 @@ def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple
 
 
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
-    """The build command for kernel ``op``: its public op is its name less the pass
-    (``log_softmax_jvp`` -> ``log_softmax``)."""
-    public = op.rsplit("_", 1)[0]
+    """The build command for kernel ``op``: its public ops from the op registry."""
+    public = " ".join(_registry.public_ops(op))
     return (
         f"python -m quack_jax.build --arch {arch} --ops {public} --dtypes {dtype} "
         f"--sizes {tiling.n}"

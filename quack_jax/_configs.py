@@ -1,7 +1,10 @@
-"""Kernel configurations: one frozen dataclass per kernel class.
+"""Kernel configurations: the base of the frozen dataclass that each op family declares
+per kernel class (next to the op, in the family's module; its ``SPEC.configs``).
 
-A configuration's fields are, in one order, what selects the kernel op (plain fields,
-such as ``rms``), the kernel's options and its scalars:
+A configuration names its kernel class (``kernel_class``) and the kernel ops it is
+(``kernels``: each op's name and the values of the selecting fields). Its fields are,
+in one order, what selects the kernel op (plain fields, such as ``rms``; they are also
+keyword arguments of the kernel class), the kernel's options and its scalars:
 
 - **Options** are fixed when the kernel is compiled: the variant. The cubin cache names a
   kernel by the options that differ from their defaults, and the kernel class is built
@@ -19,7 +22,7 @@ checks each kernel's signature against these fields. Plain Python: no JAX, no Cu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 
 def option(default: Any = None):
@@ -35,10 +38,16 @@ def scalar(default: Any = None, *, kernel: str | None = None):
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
+    # "module:Class": a module of quack_jax.kernels by its name, any other by its full path
+    kernel_class: ClassVar[str]
+    # kernel op -> the selecting fields' values that make it
+    kernels: ClassVar[dict[str, dict[str, Any]]]
+
     @property
     def op(self) -> str:
-        """The kernel op: the key of ``quack_jax.kernels.KERNELS``."""
-        raise NotImplementedError
+        """The kernel op (what the cubin cache names the kernel by)."""
+        selected = {f.name: getattr(self, f.name) for f in self._fields(None)}
+        return next(op for op, values in self.kernels.items() if values == selected)
 
     @classmethod
     def _fields(cls, kind: str):
@@ -61,87 +70,3 @@ class KernelConfig:
     def scalar_names(cls) -> tuple[str, ...]:
         """Every scalar's parameter name in the kernel, in order."""
         return tuple(f.metadata["kernel"] or f.name for f in cls._fields("scalar"))
-
-
-@dataclasses.dataclass(frozen=True)
-class Softmax(KernelConfig):
-    """``softmax_fwd`` / ``log_softmax_fwd``: y from x."""
-
-    log: bool = False
-
-    @property
-    def op(self) -> str:
-        return "log_softmax_fwd" if self.log else "softmax_fwd"
-
-
-@dataclasses.dataclass(frozen=True)
-class SoftmaxDerivative(KernelConfig):
-    """The derivative kernels, linear in t: ``kind`` is "softmax", "log_vjp" or
-    "log_jvp"."""
-
-    kind: str = "softmax"
-
-    @property
-    def op(self) -> str:
-        ops = {"softmax": "softmax_bwd", "log_vjp": "log_softmax_bwd", "log_jvp": "log_softmax_jvp"}
-        return ops[self.kind]
-
-
-@dataclasses.dataclass(frozen=True)
-class NormForward(KernelConfig):
-    """RMSNorm (``rms``) or LayerNorm forward. Dtype options are dtype names."""
-
-    rms: bool = True
-    residual: bool = option(False)
-    weight: str | None = option()
-    bias: str | None = option()
-    out: str | None = option()
-    eps: float = scalar(0.0)
-    offset: float | None = scalar()  # with a weight only
-
-    @property
-    def op(self) -> str:
-        return "rms_norm_fwd" if self.rms else "layer_norm_fwd"
-
-
-@dataclasses.dataclass(frozen=True)
-class NormBackward(KernelConfig):
-    """RMSNorm or LayerNorm backward: dx, and per-CTA partials of the weight and bias
-    gradients."""
-
-    rms: bool = True
-    weight: str | None = option()
-    dy: str | None = option()
-    dh: bool = option(False)
-    weight_grad: bool = option(False)
-    bias_grad: bool = option(False)
-    offset: float | None = scalar()  # with a weight only
-
-    @property
-    def op(self) -> str:
-        return "rms_norm_bwd" if self.rms else "layer_norm_bwd"
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyForward(KernelConfig):
-    """Per-row loss and lse, and with ``grad`` the gradient of ``sum(w * loss)``."""
-
-    smoothing: bool = option(False)
-    softcap: bool = option(False)
-    grad: bool = option(False)
-    ignore_index: int = scalar(-100)
-    label_smoothing: float = scalar(0.0, kernel="smoothing")
-    z_loss: float = scalar(0.0)
-    cap: float = scalar(0.0)
-
-    op = "cross_entropy_fwd"
-
-
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyBackward(KernelConfig):
-    """dlogits from the logits, lse and per-row coefficients."""
-
-    softcap: bool = option(False)
-    cap: float = scalar(0.0)
-
-    op = "cross_entropy_bwd"

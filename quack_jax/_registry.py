@@ -1,7 +1,10 @@
-"""The op families, listed once. Each is a module of quack_jax with a ``SPEC``
-(``_spec.OpSpec``); ``build`` and ``benchmarks/prebuild.py`` read them from here.
+"""The op families, listed once. Each is a module with a ``SPEC`` (``_spec.OpSpec``):
+its public ops, its kernels' configurations, how to build them and its test grid.
+``build``, ``bench``, the cache's error message, ``benchmarks/prebuild.py`` and the test
+suites read them from here.
 
-Adding an op family: a module that defines its ops and its ``SPEC``, and its name here.
+Adding an op family: a module (or package) that defines its ops and its ``SPEC``, and its
+module path in ``FAMILIES``. The README's "Adding an op" says more.
 """
 
 from __future__ import annotations
@@ -10,13 +13,37 @@ import importlib
 
 from ._spec import OpSpec
 
-FAMILIES = ("softmax", "norm", "cross_entropy")
+FAMILIES = [
+    "quack_jax.softmax",
+    "quack_jax.norm",
+    "quack_jax.cross_entropy",
+    "quack_jax.linear_cross_entropy",
+]
 
 
 def specs() -> dict[str, OpSpec]:
-    """Each public op with a kernel build, and its family's spec."""
+    """Each public op, and its family's spec."""
     out = {}
     for family in FAMILIES:
-        spec = importlib.import_module(f"{__package__}.{family}").SPEC
+        spec = importlib.import_module(family).SPEC
         out |= dict.fromkeys(spec.ops, spec)
     return out
+
+
+def kernel_configs() -> dict[str, type]:
+    """Each kernel op (``KernelConfig.kernels``), and its configuration class."""
+    return {
+        op: config
+        for spec in dict.fromkeys(specs().values())
+        for config in spec.configs
+        for op in config.kernels
+    }
+
+
+def public_ops(kernel_op: str) -> tuple[str, ...]:
+    """The public ops whose build makes the kernel op: the one it is named after (``rms_norm``
+    for ``rms_norm_fwd``), else every op of its family."""
+    for spec in dict.fromkeys(specs().values()):
+        if any(kernel_op in config.kernels for config in spec.configs):
+            return tuple(op for op in spec.ops if kernel_op.startswith(op + "_")) or spec.ops
+    raise KeyError(f"no op family has a kernel {kernel_op!r}")

@@ -5,8 +5,9 @@ forward, and forward plus backward (``jax.vjp``), on the shapes of the project's
     python -m quack_jax.bench --quick          # small shapes, about a minute on a 2-core CPU
     python -m quack_jax.bench --ops rms_norm --tune --out DIR  # and every candidate tiling (GPU)
 
-Ops: softmax, rms_norm, layer_norm, cross_entropy (``--ops``); each writes ``<op>.md``,
-``<op>.json`` and, with matplotlib installed, ``<op>.png`` to ``--out``.
+Ops (``--ops``): the benchmarks each op family declares in its ``SPEC`` (softmax,
+rms_norm, layer_norm, cross_entropy); each writes ``<op>.md``, ``<op>.json`` and, with
+matplotlib installed, ``<op>.png`` to ``--out``.
 
 Timing: one jitted function applies the op to K distinct inputs (no common subexpressions,
 no L2 reuse), K chosen so one call moves about 10 GB; after a warm-up, each sample is
@@ -40,311 +41,36 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-import quack_jax
-from quack_jax import _cache, _ffi
+from quack_jax import _cache, _ffi, _registry
 from quack_jax._primitive import full_grid, kernel_arch
-from quack_jax._tiling import (
-    ITEMSIZE,
-    RowTiling,
-    candidate_tilings,
-    choose_tiling,
-    override_tiling,
-)
-from quack_jax.cross_entropy import _backward as _ce_backward_primitive
-from quack_jax.norm import _backward as _norm_backward
-from quack_jax.softmax import _derivative
+from quack_jax._spec import Benchmark
+from quack_jax._tiling import ITEMSIZE, override_tiling
 
-try:
-    import flax.linen as nn
-except ImportError:  # the Flax column stays empty
-    nn = None
-
-SHAPES = [
-    (32768, 1024),
-    (16384, 4096),
-    (8192, 16384),
-    (4096, 65536),
-    (2048, 131072),
-    (1024, 262144),
-]
-NORM_SHAPES = [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536)]
-QUICK_SHAPES = [(4096, 1024), (512, 8192)]
-NORM_QUICK_SHAPES = [(1024, 1024), (128, 8192)]  # fwd+bwd in bfloat16 is slow on a CPU
 DTYPES = ["bfloat16", "float32"]
-EPS = 1e-6
 TARGET_BYTES = 10e9
 TUNE_BYTES = 2e9  # tuning ranks candidates, so it can afford a larger dispatch share
 MEMORY_BUDGET = 60e9
 CALLS_PER_SAMPLE = 3
 
-
-# -- what an op's benchmark is ----------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One timed function of the op's arguments (the last argument is the cotangent dy)."""
-
-    key: str  # the row's entry: seconds per application
-    label: str  # the plot's legend
-    passes: int  # bytes it must move, in units of M*N*e
-    fn: Callable
-    args: int | None = None  # it takes the arguments [:args]: -1 leaves dy out
-    kernel: bool = False  # a quack_jax path: on a kernel device it must launch kernels
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuned:
-    """A kernel family: the table's tiling column, and what ``--tune`` times alone."""
-
-    name: str  # the kernel op's suffix ("fwd", "bwd"), or a name of its own; tune_<name>
-    family: str
-    passes: int
-    fn: Callable
-    prepare: Callable  # the op's arguments -> fn's
-    live: Callable[[], int] | None = None  # float32 values per element: the register budget
-    staged_rows: int = 0  # row inputs staged in shared memory (persistent kernels)
-    # also time the op's tiling on a grid of one CTA per row block instead of one wave
-    full_grid: bool = False
-
-    def candidates(self, n: int, itemsize: int, default: RowTiling | None) -> list[RowTiling]:
-        """The tuner's candidates: the tiling the op launches (``default``; for a kernel
-        that the benchmark's paths do not launch, the family's choice), then the library's
-        candidate tilings of the same vector width."""
-        default = default or choose_tiling(self.family, n, itemsize)
-        budget = {} if self.live is None else {"live": self.live()}
-        if self.staged_rows:
-            budget["staged_bytes"] = self.staged_rows * itemsize
-        found = candidate_tilings(self.family, n, itemsize, 16 // default.vec, **budget)
-        return list(dict.fromkeys([default, *found]))
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    name: str
-    shapes: list[tuple[int, int]]
-    quick_shapes: list[tuple[int, int]]  # --quick
-    arguments: Callable  # (m, n, dtype) -> the (shape, dtype) of each argument, dy last
-    cases: list[Case]
-    tuned: list[Tuned]
-    columns: list[tuple]  # (header, kind, *row keys); see ``cell``
-    footprint: int  # M x N arrays alive per input while timing (memory budget)
-
-    @property
-    def passes(self) -> dict[str, int]:
-        return {"copy": 2} | {c.key: c.passes for c in self.cases}
-
-
-def fwd_bwd(fn):
-    """``jax.vjp`` of ``fn`` w.r.t. all its arguments, given the cotangent as the last
-    argument: fn's result and the gradients (the forward is not dead code)."""
-
-    def f(*args):
-        y, vjp = jax.vjp(fn, *args[:-1])
-        return y, vjp(args[-1])
-
-    return f
-
-
-FWD_COLUMNS = [
-    ("copy TB/s", "rate", "copy"),
-    ("quack fwd TB/s", "rate", "quack_fwd"),
-    ("XLA fwd TB/s", "rate", "xla_fwd"),
-    ("fwd speedup", "speedup", "xla_fwd", "quack_fwd"),
-]
-FWD_BWD_COLUMNS = [
-    ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
-    ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
-    ("fwd+bwd speedup", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
-]
-TILINGS = ("tilings (fwd, bwd)", "tilings")
-
-
-# -- softmax ----------------------------------------------------------------------------
-
-
-def _softmax_derivative(dy, x):
-    return _derivative.bind(dy, x, kind="softmax")[0]
-
-
-SOFTMAX = Op(
-    "softmax",
-    SHAPES,
-    QUICK_SHAPES,
-    arguments=lambda m, n, dtype: [((m, n), dtype)] * 2,
-    cases=[
-        Case("quack_fwd", "quack_jax fwd", 2, quack_jax.softmax, -1, kernel=True),
-        Case("xla_fwd", "XLA fwd", 2, jax.nn.softmax, -1),
-        Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_jax.softmax), kernel=True),
-        Case("xla_fwd_bwd", "XLA fwd+bwd", 5, fwd_bwd(jax.nn.softmax)),
-    ],
-    tuned=[
-        Tuned("fwd", "softmax_fwd", 2, quack_jax.softmax, lambda x, dy: (x,)),
-        Tuned("bwd", "softmax_bwd", 3, _softmax_derivative, lambda x, dy: (dy, x)),
-    ],
-    columns=[
-        *FWD_COLUMNS,
-        ("fwd / copy", "fraction", "quack_fwd", "copy"),
-        *FWD_BWD_COLUMNS,
-        TILINGS,
-    ],
-    footprint=6,
-)
-
-
-# -- RMSNorm and LayerNorm ----------------------------------------------------------------
-# arguments: x, weight, [bias], dy; weight and bias float32 of shape (N,)
-
-
-def _statistics(x, rms):
-    """x in float32 (centred for LayerNorm), its per-row rstd and mean."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1)
-    centred = x32 if rms else x32 - mean[..., None]
-    return centred, lax.rsqrt(jnp.mean(centred * centred, axis=-1) + EPS), mean
-
-
-def norm_op(name: str, rms: bool) -> Op:
-    quack = quack_jax.rms_norm if rms else quack_jax.layer_norm
-
-    def quack_fn(x, *params):
-        return quack(x, *params, eps=EPS)
-
-    def xla_fn(x, weight, bias=None):
-        centred, rstd, _ = _statistics(x, rms)
-        y = centred * rstd[..., None] * weight
-        return (y if bias is None else y + bias).astype(x.dtype)
-
-    def flax_fn(x, weight, bias=None):
-        params = {"scale": weight} | ({} if bias is None else {"bias": bias})
-        module = (nn.RMSNorm if rms else nn.LayerNorm)(
-            epsilon=EPS, dtype=x.dtype, param_dtype=jnp.float32
-        )
-        return module.apply({"params": params}, x)
-
-    def backward(*operands):
-        return _norm_backward.bind(
-            *operands,
-            rms=rms,
-            offset=0.0,
-            weight=True,
-            dh=False,
-            weight_grad=True,
-            bias_grad=not rms,
-        )
-
-    def forward_live():
-        return quack_jax.norm.forward_live(residual=False, weight=True, bias=not rms)
-
-    def backward_live():
-        flags = dict(weight=True, dh=False, weight_grad=True, bias_grad=not rms)
-        return quack_jax.norm.backward_live(**flags)
-
-    def backward_operands(x, weight, *rest):
-        _, rstd, mean = _statistics(x, rms)
-        return (rest[-1], x, weight, rstd) + (() if rms else (mean,))
-
-    refs = [("xla", "XLA", xla_fn)] + [("flax", "Flax", flax_fn)] * (nn is not None)
-    return Op(
-        name,
-        NORM_SHAPES,
-        NORM_QUICK_SHAPES,
-        arguments=lambda m, n, dtype: (
-            [((m, n), dtype)] + [((n,), "float32")] * (1 if rms else 2) + [((m, n), dtype)]
-        ),
-        cases=[
-            Case("quack_fwd", "quack_jax fwd", 2, quack_fn, -1, kernel=True),
-            Case("xla_fwd", "XLA fwd", 2, xla_fn, -1),
-            Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_fn), kernel=True),
-        ]
-        + [Case(f"{k}_fwd_bwd", f"{lab} fwd+bwd", 5, fwd_bwd(f)) for k, lab, f in refs],
-        tuned=[
-            Tuned("fwd", "norm_fwd", 2, quack_fn, lambda *args: args[:-1], forward_live, 1, True),
-            Tuned("bwd", "norm_bwd", 3, backward, backward_operands, backward_live, 2),
-        ],
-        columns=[
-            *FWD_COLUMNS,
-            ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
-            ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
-            ("Flax fwd+bwd TB/s", "rate", "flax_fwd_bwd"),
-            ("speedup vs XLA", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
-            ("speedup vs Flax", "speedup", "flax_fwd_bwd", "quack_fwd_bwd"),
-            TILINGS,
-        ],
-        footprint=8,
-    )
-
-
-# -- cross-entropy ------------------------------------------------------------------------
-# arguments: logits, labels in [0, N), dy (unused: the loss is a scalar, as under jax.grad)
-
-CE_SHAPES = [(32768, 1024), (8192, 32000), (8192, 50257), (4096, 128256), (4096, 151936)]
-CE_SHAPES += [(2048, 262144)]
-CE_QUICK_SHAPES = [(1024, 1024), (128, 32000)]
-
-
-def _quack_ce(logits, labels):
-    return quack_jax.cross_entropy(logits, labels)
-
-
-def _xla_ce(logits, labels):
-    """optax's formulation (logsumexp - target logit) in float32, averaged."""
-    x = logits.astype(jnp.float32)
-    target = jnp.take_along_axis(x, labels[:, None], axis=-1)[:, 0]
-    return jnp.mean(jax.nn.logsumexp(x, axis=-1) - target)
-
-
-def _ce_backward(logits, labels, lse, coefficient):
-    zero = jnp.zeros_like(coefficient)
-    return _ce_backward_primitive.bind(
-        logits, labels, lse, coefficient, coefficient, zero, softcap=None, inplace=False
-    )[0]
-
-
-def _ce_backward_operands(logits, labels, dy):
-    lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-    return logits, labels, lse, jnp.full(lse.shape, 1.0 / lse.size, jnp.float32)
-
-
-CROSS_ENTROPY = Op(
-    "cross_entropy",
-    CE_SHAPES,
-    CE_QUICK_SHAPES,
-    arguments=lambda m, n, dtype: [((m, n), dtype), ((m,), "int32", n), ((m, n), dtype)],
-    cases=[
-        Case("quack_fwd", "quack_jax fwd", 1, _quack_ce, -1, kernel=True),
-        Case("xla_fwd", "XLA fwd", 1, _xla_ce, -1),
-        Case("quack_fwd_bwd", "quack_jax fwd+bwd", 2, jax.grad(_quack_ce), -1, kernel=True),
-        Case("xla_fwd_bwd", "XLA fwd+bwd", 2, jax.grad(_xla_ce), -1),
-    ],
-    tuned=[
-        Tuned("fwd", "ce_fwd", 1, _quack_ce, lambda x, labels, dy: (x, labels)),
-        Tuned("bwd", "ce_bwd", 2, _ce_backward, _ce_backward_operands),
-        # the forward that also writes the gradient (a mean loss under jax.grad)
-        Tuned("grad", "ce_grad", 2, jax.grad(_quack_ce), lambda x, labels, dy: (x, labels)),
-    ],
-    columns=[*FWD_COLUMNS, *FWD_BWD_COLUMNS, TILINGS],
-    footprint=4,
-)
-
-OPS = {
-    op.name: op
-    for op in (SOFTMAX, norm_op("rms_norm", True), norm_op("layer_norm", False), CROSS_ENTROPY)
-}
+def benchmarks() -> dict[str, Benchmark]:
+    """Each op family's benchmarks (its ``SPEC.benchmarks``), by name."""
+    return {
+        benchmark.name: benchmark
+        for spec in dict.fromkeys(_registry.specs().values())
+        for benchmark in (spec.benchmarks() if spec.benchmarks else ())
+    }
 
 
 # -- timing -----------------------------------------------------------------------------
@@ -396,7 +122,7 @@ def make_inputs(arguments, count, seed):
     return [tuple(draw(k, *a) for k, a in zip(row, arguments, strict=True)) for row in keys]
 
 
-def input_count(op: Op, size: int, quick: bool = False) -> int:
+def input_count(op: Benchmark, size: int, quick: bool = False) -> int:
     """How many distinct inputs of ``size`` bytes (an (M, N) array) one timed call takes:
     about TARGET_BYTES moved, within the memory budget."""
     if quick:
@@ -405,7 +131,7 @@ def input_count(op: Op, size: int, quick: bool = False) -> int:
     return int(min(max(10, math.ceil(TARGET_BYTES / (2 * size))), most))
 
 
-def bench_shape(op: Op, m, n, dtype, reps, tune, quick):
+def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
     e = ITEMSIZE[dtype]
     size = m * n * e
     count = input_count(op, size, quick)
@@ -464,14 +190,14 @@ def tbps(nbytes, seconds):
     return nbytes / seconds / 1e12
 
 
-def rate(op: Op, r, key):
+def rate(op: Benchmark, r, key):
     """TB/s of the row's entry ``key``, or None if it was not timed."""
     if r.get(key) is None:
         return None
     return tbps(op.passes[key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]], r[key])
 
 
-def cell(op: Op, r, kind, *keys) -> str:
+def cell(op: Benchmark, r, kind, *keys) -> str:
     if kind == "tilings":
         return f"{r['tiling_fwd']}, {r['tiling_bwd']}"
     values = [rate(op, r, key) for key in keys]
@@ -484,7 +210,7 @@ def cell(op: Op, r, kind, *keys) -> str:
     return f"{values[0] / values[1]:.0%}"  # fraction
 
 
-def table(op: Op, rows) -> str:
+def table(op: Benchmark, rows) -> str:
     headers = ["dtype", "M x N"] + [c[0] for c in op.columns]
     lines = ["| " + " | ".join(headers) + " |", "| --- " * len(headers) + "|"]
     for r in rows:
@@ -493,7 +219,7 @@ def table(op: Op, rows) -> str:
     return "\n".join(lines)
 
 
-def tuning_table(op: Op, rows) -> str:
+def tuning_table(op: Benchmark, rows) -> str:
     lines = ["| dtype | M x N | pass | default | TB/s | best | TB/s |", "| --- " * 7 + "|"]
     for r in rows:
         size = r["m"] * r["n"] * ITEMSIZE[r["dtype"]]
@@ -536,7 +262,7 @@ def save_figure(fig, legend_from, path, title):
     plt.close(fig)
 
 
-def plot(op: Op, rows, path, title):
+def plot(op: Benchmark, rows, path, title):
     try:
         import matplotlib
     except ImportError:
@@ -562,7 +288,8 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=pathlib.Path, help="write <op>.{md,json,png} here")
-    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=list(OPS))
+    ops = benchmarks()
+    parser.add_argument("--ops", nargs="+", default=list(ops), choices=list(ops))
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--tune", action="store_true", help="also time candidate tilings")
     parser.add_argument("--reps", type=int, default=7)
@@ -572,10 +299,10 @@ def main(argv=None):
     if args.tune and not kernel_device():
         parser.error("--tune times kernels, so it needs a GPU that runs them")
     print(describe(), flush=True)
-    if nn is None:
+    if importlib.util.find_spec("flax") is None:
         print("flax is not installed: the norms' Flax columns stay empty", flush=True)
     for name in args.ops:
-        op = OPS[name]
+        op = ops[name]
         rows = []
         for dtype in args.dtypes:
             for m, n in op.quick_shapes if args.quick else op.shapes:

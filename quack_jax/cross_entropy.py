@@ -11,18 +11,29 @@ lse) the two-kernel one. The reductions over rows are plain XLA on per-row value
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _configs
 from ._checks import axis_index, float_array, static_float
+from ._configs import KernelConfig, option, scalar
 from ._partition import ROWS, STAT, role_aval
 from ._primitive import RowwisePrimitive, Target, compute_dtype, kernel_call, row_tiling
-from ._spec import OpSpec
+from ._spec import (
+    FWD_BWD_COLUMNS,
+    FWD_COLUMNS,
+    TILINGS,
+    Benchmark,
+    Case,
+    OpSpec,
+    Shapes,
+    Tuned,
+)
 
 REDUCTIONS = ("none", "sum", "mean")
 _INT32 = np.iinfo(np.int32)
@@ -47,6 +58,31 @@ def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0)
     b = g * (1.0 - smoothing)
     c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
     return a, b, c
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyForward(KernelConfig):
+    """Per-row loss and lse, and with ``grad`` the gradient of ``sum(w * loss)``."""
+
+    kernel_class = "cross_entropy:CrossEntropyForward"
+    kernels: ClassVar[dict] = {"cross_entropy_fwd": {}}
+    smoothing: bool = option(False)
+    softcap: bool = option(False)
+    grad: bool = option(False)
+    ignore_index: int = scalar(-100)
+    label_smoothing: float = scalar(0.0, kernel="smoothing")
+    z_loss: float = scalar(0.0)
+    cap: float = scalar(0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyBackward(KernelConfig):
+    """dlogits from the logits, lse and per-row coefficients."""
+
+    kernel_class = "cross_entropy:CrossEntropyBackward"
+    kernels: ClassVar[dict] = {"cross_entropy_bwd": {}}
+    softcap: bool = option(False)
+    cap: float = scalar(0.0)
 
 
 # -- forward: (logits, labels, [w]) -> (loss, lse, [dlogits]) ----------------------
@@ -107,7 +143,7 @@ def _forward_kernel(
     tiling = row_tiling(x, "ce_grad" if grad else "ce_fwd", live=1 + bool(smoothing))
     if tiling is None:
         return None
-    config = _configs.CrossEntropyForward(
+    config = CrossEntropyForward(
         smoothing=bool(smoothing),
         softcap=softcap is not None,
         grad=grad,
@@ -150,7 +186,7 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, softcap, inplace):
     tiling = row_tiling(x, "ce_bwd")
     if tiling is None:
         return None
-    config = _configs.CrossEntropyBackward(softcap=softcap is not None, cap=float(softcap or 0.0))
+    config = CrossEntropyBackward(softcap=softcap is not None, cap=float(softcap or 0.0))
     aliases = {0: 0} if inplace else None
     return kernel_call(target, config, x, tiling, avals_out, cluster=False, aliases=aliases)
 
@@ -469,4 +505,71 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
             yield rows, args
 
 
-SPEC = OpSpec(ops=("cross_entropy",), sizes="vocab", lowerings=_lowerings)
+def _benchmarks():
+    """The mean loss over labels uniform in [0, N): forward, and ``jax.grad`` w.r.t. the
+    logits; against optax's formulation (logsumexp - target logit) in float32. The
+    arguments are the logits, the labels and dy (unused: the loss is a scalar)."""
+    shapes = [(32768, 1024), (8192, 32000), (8192, 50257), (4096, 128256), (4096, 151936)]
+    shapes += [(2048, 262144)]
+
+    def quack(logits, labels):
+        return cross_entropy(logits, labels)
+
+    def xla(logits, labels):
+        x = logits.astype(jnp.float32)
+        target = jnp.take_along_axis(x, labels[:, None], axis=-1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(x, axis=-1) - target)
+
+    def backward(logits, labels, lse, coefficient):
+        zero = jnp.zeros_like(coefficient)
+        return _backward.bind(
+            logits, labels, lse, coefficient, coefficient, zero, softcap=None, inplace=False
+        )[0]
+
+    def backward_operands(logits, labels, dy):
+        lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
+        return logits, labels, lse, jnp.full(lse.shape, 1.0 / lse.size, jnp.float32)
+
+    def logits_labels(x, labels, dy):
+        return x, labels
+
+    return [
+        Benchmark(
+            "cross_entropy",
+            shapes,
+            quick_shapes=[(1024, 1024), (128, 32000)],
+            arguments=lambda m, n, dtype: [((m, n), dtype), ((m,), "int32", n), ((m, n), dtype)],
+            cases=[
+                Case("quack_fwd", "quack_jax fwd", 1, quack, -1, kernel=True),
+                Case("xla_fwd", "XLA fwd", 1, xla, -1),
+                Case("quack_fwd_bwd", "quack_jax fwd+bwd", 2, jax.grad(quack), -1, kernel=True),
+                Case("xla_fwd_bwd", "XLA fwd+bwd", 2, jax.grad(xla), -1),
+            ],
+            tuned=[
+                Tuned("fwd", "ce_fwd", 1, quack, logits_labels),
+                Tuned("bwd", "ce_bwd", 2, backward, backward_operands),
+                # the forward that also writes the gradient (a mean loss under jax.grad)
+                Tuned("grad", "ce_grad", 2, jax.grad(quack), logits_labels),
+            ],
+            columns=[*FWD_COLUMNS, *FWD_BWD_COLUMNS, TILINGS],
+            footprint=4,
+        )
+    ]
+
+
+SPEC = OpSpec(
+    ops=("cross_entropy",),
+    configs=(CrossEntropyForward, CrossEntropyBackward),
+    sizes="vocab",
+    lowerings=_lowerings,
+    tests={
+        "cpu": Shapes(rows=(1, 7), sizes=(2, 1000, 32000), special=(40,)),
+        "gpu": Shapes(
+            rows=(1, 7, 4096, 16384),
+            sizes=(2, 1000, 32000, 50257, 128256, 151936, 262144),
+            dtypes=("float32", "bfloat16"),
+            special=(7, 1024, 65536),
+        ),
+    },
+    benchmarks=_benchmarks,
+)

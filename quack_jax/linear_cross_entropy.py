@@ -47,6 +47,7 @@ from ._partition import (
     varying_like,
 )
 from ._primitive import compute_dtype
+from ._spec import OpSpec, Shapes
 from .cross_entropy import (
     _backward_split,
     _coefficients,
@@ -580,3 +581,38 @@ def linear_cross_entropy(
     if reduction != "none":
         loss = _reduce(loss, labels, ce[0], reduction == "mean")
     return (loss, lse) if return_lse else loss
+
+
+def _lowerings(op: str, dtype: str, n: int, packaged: bool):
+    """The value and gradients of the mean loss over two whole chunks and a part, with the
+    weight as (d, V) and as (V, d); ``packaged``: (d, V) only."""
+    t, d, chunk = 300, 64, 128
+    h, labels = jax.ShapeDtypeStruct((t, d), dtype), jax.ShapeDtypeStruct((t,), "int32")
+    for transpose in (False,) if packaged else (False, True):
+        w = jax.ShapeDtypeStruct((n, d) if transpose else (d, n), dtype)
+
+        def loss(h, w, labels, transpose=transpose):
+            def f(h, w):
+                return linear_cross_entropy(
+                    h, w, labels, transpose_weight=transpose, chunk_size=chunk
+                )
+
+            return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+
+        yield loss, (h, w, labels)
+
+
+SPEC = OpSpec(
+    ops=("linear_cross_entropy",),
+    configs=(),  # the cross-entropy kernels
+    sizes="vocab",
+    lowerings=_lowerings,
+    tests={
+        "cpu": Shapes(rows=(300,), sizes=(1000,), dtypes=("float32", "bfloat16")),
+        "gpu": Shapes(
+            rows=(300,),
+            sizes=(32000, 50257, 128256, 152064, 256000),
+            dtypes=("bfloat16", "float32"),
+        ),
+    },
+)

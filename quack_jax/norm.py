@@ -11,18 +11,51 @@ means ``psum``'d.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _configs
 from ._checks import float_array, static_float
+from ._configs import KernelConfig, option, scalar
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import RowwisePrimitive, Target, compute_dtype, persistent_call, row_tiling
-from ._spec import OpSpec
+from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
+
+
+@dataclasses.dataclass(frozen=True)
+class NormForward(KernelConfig):
+    """RMSNorm (``rms``) or LayerNorm forward. Dtype options are dtype names."""
+
+    kernel_class = "norm:NormForward"
+    kernels: ClassVar[dict] = {"rms_norm_fwd": {"rms": True}, "layer_norm_fwd": {"rms": False}}
+    rms: bool = True
+    residual: bool = option(False)
+    weight: str | None = option()
+    bias: str | None = option()
+    out: str | None = option()
+    eps: float = scalar(0.0)
+    offset: float | None = scalar()  # with a weight only
+
+
+@dataclasses.dataclass(frozen=True)
+class NormBackward(KernelConfig):
+    """RMSNorm or LayerNorm backward: dx, and per-CTA partials of the weight and bias
+    gradients."""
+
+    kernel_class = "norm:NormBackward"
+    kernels: ClassVar[dict] = {"rms_norm_bwd": {"rms": True}, "layer_norm_bwd": {"rms": False}}
+    rms: bool = True
+    weight: str | None = option()
+    dy: str | None = option()
+    dh: bool = option(False)
+    weight_grad: bool = option(False)
+    bias_grad: bool = option(False)
+    offset: float | None = scalar()  # with a weight only
 
 
 def _split(operands, *flags):
@@ -90,7 +123,7 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, ou
     tiling = row_tiling(x, "norm_fwd", widest, forward_live(**flags), staged)
     if tiling is None:
         return None
-    config = _configs.NormForward(
+    config = NormForward(
         rms=rms,
         residual=flags["residual"],
         weight=w.dtype.name if w is not None else None,
@@ -177,7 +210,7 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
     tiling = row_tiling(h, "norm_bwd", widest, backward_live(**flags), staged)
     if tiling is None:
         return None
-    config = _configs.NormBackward(
+    config = NormBackward(
         rms=rms,
         weight=w.dtype.name if w is not None else None,
         dy=dy.dtype.name if dy.dtype != h.dtype else None,
@@ -417,4 +450,109 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
             yield fn, (row, params, row if residual else None, row)
 
 
-SPEC = OpSpec(ops=("rms_norm", "layer_norm"), sizes="hidden", lowerings=_lowerings)
+def _benchmarks():
+    """Each norm with a float32 weight (and bias) of shape (N,) and y in x's dtype:
+    forward, and ``jax.vjp`` w.r.t. x, weight and bias that also returns y; against a
+    plain jnp formulation (float32 math, rsqrt, LayerNorm with the centred variance) and
+    Flax's ``nn.RMSNorm`` / ``nn.LayerNorm`` (dtype x's, float32 params, the same epsilon;
+    its columns stay empty without Flax). The arguments are x, weight, [bias], dy."""
+    return [_benchmark("rms_norm", True), _benchmark("layer_norm", False)]
+
+
+def _benchmark(name: str, rms: bool):
+    try:
+        import flax.linen as nn
+    except ImportError:
+        nn = None
+    eps = 1e-6
+    shapes = [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384), (2048, 65536)]
+    quick = [(1024, 1024), (128, 8192)]  # fwd+bwd in bfloat16 is slow on a CPU
+
+    def statistics(x):
+        """x in float32 (centred for LayerNorm), its per-row rstd and mean."""
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1)
+        centred = x32 if rms else x32 - mean[..., None]
+        return centred, lax.rsqrt(jnp.mean(centred * centred, axis=-1) + eps), mean
+
+    def quack_fn(x, *params):
+        return (rms_norm if rms else layer_norm)(x, *params, eps=eps)
+
+    def xla_fn(x, weight, bias=None):
+        centred, rstd, _ = statistics(x)
+        y = centred * rstd[..., None] * weight
+        return (y if bias is None else y + bias).astype(x.dtype)
+
+    def flax_fn(x, weight, bias=None):
+        params = {"scale": weight} | ({} if bias is None else {"bias": bias})
+        module = (nn.RMSNorm if rms else nn.LayerNorm)(
+            epsilon=eps, dtype=x.dtype, param_dtype=jnp.float32
+        )
+        return module.apply({"params": params}, x)
+
+    flags = dict(weight=True, dh=False, weight_grad=True, bias_grad=not rms)
+
+    def backward(*operands):
+        return _backward.bind(*operands, rms=rms, offset=0.0, **flags)
+
+    def backward_operands(x, weight, *rest):
+        _, rstd, mean = statistics(x)
+        return (rest[-1], x, weight, rstd) + (() if rms else (mean,))
+
+    refs = [("xla", "XLA", xla_fn)] + [("flax", "Flax", flax_fn)] * (nn is not None)
+    return Benchmark(
+        name,
+        shapes,
+        quick,
+        arguments=lambda m, n, dtype: (
+            [((m, n), dtype)] + [((n,), "float32")] * (1 if rms else 2) + [((m, n), dtype)]
+        ),
+        cases=[
+            Case("quack_fwd", "quack_jax fwd", 2, quack_fn, -1, kernel=True),
+            Case("xla_fwd", "XLA fwd", 2, xla_fn, -1),
+            Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(quack_fn), kernel=True),
+        ]
+        + [Case(f"{k}_fwd_bwd", f"{label} fwd+bwd", 5, fwd_bwd(f)) for k, label, f in refs],
+        tuned=[
+            Tuned(
+                "fwd",
+                "norm_fwd",
+                2,
+                quack_fn,
+                lambda *args: args[:-1],
+                lambda: forward_live(residual=False, weight=True, bias=not rms),
+                1,
+                True,
+            ),
+            Tuned(
+                "bwd", "norm_bwd", 3, backward, backward_operands, lambda: backward_live(**flags), 2
+            ),
+        ],
+        columns=[
+            *FWD_COLUMNS,
+            ("quack fwd+bwd TB/s", "rate", "quack_fwd_bwd"),
+            ("XLA fwd+bwd TB/s", "rate", "xla_fwd_bwd"),
+            ("Flax fwd+bwd TB/s", "rate", "flax_fwd_bwd"),
+            ("speedup vs XLA", "speedup", "xla_fwd_bwd", "quack_fwd_bwd"),
+            ("speedup vs Flax", "speedup", "flax_fwd_bwd", "quack_fwd_bwd"),
+            TILINGS,
+        ],
+        footprint=8,
+    )
+
+
+SPEC = OpSpec(
+    ops=("rms_norm", "layer_norm"),
+    configs=(NormForward, NormBackward),
+    sizes="hidden",
+    lowerings=_lowerings,
+    tests={
+        "cpu": Shapes(rows=(1, 3), sizes=(1, 7, 128, 1000, 5000), special=(40,)),
+        "gpu": Shapes(
+            rows=(1, 3, 1000, 16384),
+            sizes=(1, 7, 128, 1000, 4096, 5120, 8192, 16384, 65536),
+            special=(7, 1024, 65536),
+        ),
+    },
+    benchmarks=_benchmarks,
+)

@@ -12,18 +12,53 @@ with the rows' max and sums combined by ``pmax``/``psum``.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 from jax.interpreters import ad
 
-from . import _configs
 from ._checks import axis_index, float_array
 from ._configs import KernelConfig
 from ._partition import WHOLE
 from ._primitive import RowwisePrimitive, compute_dtype, kernel_call, row_tiling
-from ._spec import OpSpec
+from ._spec import (
+    FWD_BWD_COLUMNS,
+    FWD_COLUMNS,
+    TILINGS,
+    Benchmark,
+    Case,
+    OpSpec,
+    Shapes,
+    Tuned,
+    fwd_bwd,
+)
 
 _TRANSPOSED = {"softmax": "softmax", "log_vjp": "log_jvp", "log_jvp": "log_vjp"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Softmax(KernelConfig):
+    """The forward kernels: y from x."""
+
+    kernel_class = "softmax:SoftmaxForward"
+    kernels: ClassVar[dict] = {"softmax_fwd": {"log": False}, "log_softmax_fwd": {"log": True}}
+    log: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxDerivative(KernelConfig):
+    """The derivative kernels, linear in t: ``kind`` is "softmax", "log_vjp" or
+    "log_jvp"."""
+
+    kernel_class = "softmax:SoftmaxDerivative"
+    kernels: ClassVar[dict] = {
+        "softmax_bwd": {"kind": "softmax"},
+        "log_softmax_bwd": {"kind": "log_vjp"},
+        "log_softmax_jvp": {"kind": "log_jvp"},
+    }
+    kind: str = "softmax"
 
 
 def _reference_forward(x, *, log: bool, row=WHOLE):
@@ -74,13 +109,13 @@ def _kernel(family: str, config: type[KernelConfig]):
 
 _forward = RowwisePrimitive(
     "quack_jax_softmax",
-    kernel=_kernel("softmax_fwd", _configs.Softmax),
+    kernel=_kernel("softmax_fwd", Softmax),
     reference=_reference_forward,
     jvp=_forward_jvp,
 )
 _derivative = RowwisePrimitive(
     "quack_jax_softmax_derivative",
-    kernel=_kernel("softmax_bwd", _configs.SoftmaxDerivative),
+    kernel=_kernel("softmax_bwd", SoftmaxDerivative),
     reference=_reference_derivative,
     transpose=_derivative_transpose,
 )
@@ -135,4 +170,53 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
         yield (lambda x: jax.jvp(f, (x,), (x,))), (x,)
 
 
-SPEC = OpSpec(ops=("softmax", "log_softmax"), sizes="sequence", lowerings=_lowerings)
+def _benchmarks():
+    """softmax against ``jax.nn.softmax``: forward, and ``jax.vjp`` that also returns y."""
+    shapes = [(32768, 1024), (16384, 4096), (8192, 16384), (4096, 65536), (2048, 131072)]
+    shapes += [(1024, 262144)]
+
+    def derivative(dy, x):
+        return _derivative.bind(dy, x, kind="softmax")[0]
+
+    return [
+        Benchmark(
+            "softmax",
+            shapes,
+            quick_shapes=[(4096, 1024), (512, 8192)],
+            arguments=lambda m, n, dtype: [((m, n), dtype)] * 2,
+            cases=[
+                Case("quack_fwd", "quack_jax fwd", 2, softmax, -1, kernel=True),
+                Case("xla_fwd", "XLA fwd", 2, jax.nn.softmax, -1),
+                Case("quack_fwd_bwd", "quack_jax fwd+bwd", 5, fwd_bwd(softmax), kernel=True),
+                Case("xla_fwd_bwd", "XLA fwd+bwd", 5, fwd_bwd(jax.nn.softmax)),
+            ],
+            tuned=[
+                Tuned("fwd", "softmax_fwd", 2, softmax, lambda x, dy: (x,)),
+                Tuned("bwd", "softmax_bwd", 3, derivative, lambda x, dy: (dy, x)),
+            ],
+            columns=[
+                *FWD_COLUMNS,
+                ("fwd / copy", "fraction", "quack_fwd", "copy"),
+                *FWD_BWD_COLUMNS,
+                TILINGS,
+            ],
+            footprint=6,
+        )
+    ]
+
+
+SPEC = OpSpec(
+    ops=("softmax", "log_softmax"),
+    configs=(Softmax, SoftmaxDerivative),
+    sizes="sequence",
+    lowerings=_lowerings,
+    tests={
+        "cpu": Shapes(rows=(1, 3), sizes=(1, 7, 1000, 5000, 131071), special=(40,)),
+        "gpu": Shapes(
+            rows=(1, 3, 1000, 32768),
+            sizes=(1, 7, 100, 1024, 4096, 5000, 16384, 65536, 131071, 262144),
+            special=(7, 1024, 65536),  # one row per warp, several warps, a cluster
+        ),
+    },
+    benchmarks=_benchmarks,
+)

@@ -1,8 +1,9 @@
 """Test set-up: 8 host devices for the sharding tests; the ``gpu`` marker.
 
 Tests without the ``gpu`` marker run on the CPU device, so they exercise the XLA
-fallback wherever they run; ``gpu`` tests need a CUDA device with quack_jax kernels
-(compute capability 9.0) and are skipped elsewhere.
+fallback wherever they run; ``gpu`` tests (a test's "gpu" backend, see ``checks.py``)
+need a CUDA device with quack_jax kernels (compute capability 9.0) and are skipped
+elsewhere.
 """
 
 import importlib.util
@@ -40,18 +41,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _cpu_unless_gpu(request):
+def _backend(request, monkeypatch):
+    """``gpu`` tests run on the default (CUDA) device, and every kernel lowered meanwhile
+    fills its outputs with NaN before it runs, so a test sees any element a kernel fails
+    to write; the others run on the CPU device."""
     if "gpu" in request.keywords:
+        monkeypatch.setenv("QUACK_JAX_POISON_OUTPUTS", "1")
         yield
     else:
         with jax.default_device(jax.devices("cpu")[0]):
             yield
-
-
-@pytest.fixture(scope="module")
-def poison_outputs():
-    """Kernels lowered meanwhile fill their outputs with NaN before they run, so a test
-    sees any element a kernel fails to write."""
-    os.environ["QUACK_JAX_POISON_OUTPUTS"] = "1"
-    yield
-    del os.environ["QUACK_JAX_POISON_OUTPUTS"]

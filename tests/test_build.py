@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import quack_jax
-from quack_jax import _cache, _configs, _ffi, build
+from quack_jax import _cache, _ffi, _registry, build
 from quack_jax._primitive import full_grid
 from quack_jax._tiling import RowTiling, choose_tiling
 
@@ -286,20 +286,23 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
 
 
 @pytest.mark.cutlass
-@pytest.mark.parametrize("config", _configs.KernelConfig.__subclasses__(), ids=lambda c: c.__name__)
-def test_kernel_configs_match_the_kernels(config):
+@pytest.mark.parametrize("op", _registry.kernel_configs())
+def test_kernel_configs_match_the_kernels(op):
     """Each configuration names its kernel's scalar parameters (after ``m``, before the
-    stream) in order, and its options are keyword arguments of the kernel class."""
+    stream) in order, and its options and selecting fields are keyword arguments of the
+    kernel class; its default is one of its kernel ops."""
     import inspect
 
     from quack_jax import kernels
 
-    cls, fixed = kernels.KERNELS[config().op]
+    config = _registry.kernel_configs()[op]
+    cls, fixed = kernels.kernel_class(op)
     params = list(inspect.signature(cls.__call__).parameters)
     assert tuple(params[params.index("m") + 1 : -1]) == config.scalar_names()
     init = inspect.signature(cls.__init__).parameters
     assert {f.name for f in config._fields("option")} <= set(init)
-    assert set(fixed) <= set(init)
+    assert set(fixed) == {f.name for f in config._fields(None)} <= set(init)
+    assert config().op in config.kernels
 
 
 def test_cuda_lowering_without_arch_uses_the_reference(monkeypatch):

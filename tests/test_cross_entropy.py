@@ -1,222 +1,458 @@
-"""quack_jax.cross_entropy through the XLA fallback (CPU), against float64 references
-written here with ``jax.nn``, their gradients by JAX's own autodiff."""
+"""cross_entropy on both backends against a float64 reference (numpy: the per-row loss
+and lse of ``reference_rows``, which ``test_fuzz`` differentiates with JAX, and the
+closed form of their gradient): per-row losses, lse and their gradient (the forward and
+backward kernels), the mean and sum losses' gradient from the forward, every option mix
+(label smoothing, z-loss, softcap), special values and labels, leading dims and vmap,
+the mean over the rows not ignored, label dtypes, empty and float64 inputs, the optax
+alias, bad input, and the kernels a CUDA lowering launches.
 
+Inputs are fresh random draws, a fifth of the labels ignored. On the GPU, where the
+logits are too large for a float64 copy, they are drawn on the device, the reference
+covers a random sample of rows and the whole output is checked for unwritten (NaN)
+elements.
+"""
+
+import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import (
+    BACKENDS,
+    MAX_ELEMENTS,
+    SEED,
+    assert_close,
+    backend_param,
+    backends,
+    grid,
+    key_for,
+    run,
+)
 
 import quack_jax
+from quack_jax._registry import specs
 from quack_jax.build import lower_for_cuda
 
-TOL = {"float32": 2e-5, "bfloat16": 1e-2, "float16": 2e-3}
 IGNORE = -100
+OPTIONS = [
+    dict(label_smoothing=s, z_loss=z, logit_softcap=c)
+    for s, z, c in itertools.product((0.0, 0.1), (0.0, 1e-3), (None, 20.0))
+]
+# every option mix runs at these row lengths (elsewhere one mix per shape, in turn)
+OPTION_SIZES = {"cpu": (1000,), "gpu": (1000, 50257, 262144)}
+OPTION_DTYPES = ("float32", "bfloat16")
+SPECIAL_OPTIONS = (0, 7)  # none, all
+SAMPLED_ROWS = 64
 
 
 def reference_rows(logits, labels, smoothing=0.0, z_loss=0.0, softcap=None, ignore=IGNORE):
-    """float64 per-row loss and lse; ignored rows 0 (by ``where``, so their gradient is 0)."""
-    x = logits.astype(jnp.float64)
+    """float64 per-row loss and lse; ignored rows 0 (by ``where``, so their gradient is
+    0). In numpy for numpy arrays, else in JAX (differentiable)."""
+    xp, stop = (np, np.asarray) if isinstance(logits, np.ndarray) else (jnp, jax.lax.stop_gradient)
+    x = logits.astype(np.float64)
     if softcap is not None:
-        x = softcap * jnp.tanh(x / softcap)
-    lse = jax.nn.logsumexp(x, axis=-1)
+        x = softcap * xp.tanh(x / softcap)
+    top = xp.max(x, axis=-1, keepdims=True)  # logsumexp as jax.nn's
+    top = stop(xp.where(xp.isfinite(top), top, 0.0))
+    lse = xp.log(xp.sum(xp.exp(x - top), axis=-1)) + top[..., 0]
     logp = x - lse[..., None]
     n = x.shape[-1]
-    nll = -jnp.take_along_axis(logp, jnp.clip(labels, 0, n - 1)[..., None], -1)[..., 0]
+    nll = -xp.take_along_axis(logp, xp.clip(labels, 0, n - 1)[..., None], -1)[..., 0]
     loss = (1 - smoothing) * nll
     if smoothing:  # terms added only when asked for, so 0 * inf does not make a NaN
-        loss = loss - smoothing * jnp.mean(logp, axis=-1)
+        loss = loss - smoothing * xp.mean(logp, axis=-1)
     if z_loss:
         loss = loss + z_loss * lse**2
-    return jnp.where(labels == ignore, 0.0, loss), lse
+    return xp.where(labels == ignore, 0.0, loss), lse
 
 
-def make_inputs(m, n, dtype, seed=0, ignored=0.25):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    logits = (3.0 * jax.random.normal(k1, (m, n), jnp.float32)).astype(dtype)
-    labels = jax.random.randint(k2, (m,), 0, n)
-    labels = jnp.where(jax.random.uniform(k3, (m,)) < ignored, IGNORE, labels)
-    return logits, labels
+def reference(logits, labels, g, g_lse, opts):
+    """float64 (numpy) per-row loss and lse, NaN where the label is outside [0, n) and
+    not ignored; the gradient of ``sum(g * loss + g_lse * lse)``, each of its terms
+    present where its factor is not 0 (NaN on rows of outside labels); the magnitude of
+    each gradient element's terms, and of each row's loss and lse."""
+    smoothing, z_loss, cap = (opts[k] for k in ("label_smoothing", "z_loss", "logit_softcap"))
+    x = np.asarray(logits).astype(np.float64)
+    labels = np.asarray(labels)
+    n = x.shape[-1]
+    ignored = labels == IGNORE
+    outside = ~ignored & ((labels < 0) | (labels >= n))
+    g = np.where(ignored, 0.0, np.asarray(g, np.float64))[:, None]
+    gl = np.asarray(g_lse, np.float64)[:, None]
+    with np.errstate(all="ignore"):
+        loss, lse = reference_rows(x, labels, smoothing, z_loss, cap)
+        loss = np.where(outside, np.nan, loss)
+        capped = x if cap is None else cap * np.tanh(x / cap)
+        p = np.exp(capped - lse[:, None])
+        hit = np.arange(n) == labels[:, None]
+        # d loss = (1 + 2 z lse) p - (1 - smoothing) hit - smoothing / n; d lse = p
+        a = g + gl
+        if z_loss:  # (as in reference_rows)
+            a = a + np.where(g == 0, 0.0, 2 * z_loss * g * lse[:, None])
+        grad = np.where(a == 0, 0.0, a * p) - g * (1 - smoothing) * hit - g * smoothing / n
+        grad = np.where(outside[:, None] & (g != 0), np.nan, grad)
+        if cap is not None:
+            dead = (a == 0) & (g == 0)
+            grad = np.where(dead, 0.0, grad * (1 - np.tanh(x / cap) ** 2))
+        scale = np.abs(g) * (1 + 2 * z_loss * np.abs(lse[:, None])) + np.abs(gl)
+        mag = scale * (p + np.max(p, -1, keepdims=True)) + np.abs(g) * (hit + 1.0 / n)
+        mag = np.where(np.isnan(mag), 1.0, mag)  # rows of NaN or inf: exact values
+        row_mag = 1 + np.abs(lse) * (1 + z_loss * np.abs(lse))
+    return loss, lse, grad, mag, row_mag
 
 
-def close(out, ref, dtype, scale=1.0):
-    np.testing.assert_allclose(
-        np.asarray(out, np.float64), np.asarray(ref), rtol=TOL[dtype], atol=TOL[dtype] * scale
+def cases():
+    """(backend, m, n, dtype, k): the SPEC's grid with the option mixes in turn (on the
+    GPU also its tensors too large for a float64 copy), and every option mix at three
+    row lengths on the GPU (one warp per row, a cluster of odd-length rows, the
+    largest), one on the CPU."""
+    out = []
+    for backend in BACKENDS:
+        shapes = [p.values[1:] for p in grid("cross_entropy", backends=(backend,))]
+        if backend == "gpu":
+            tests = specs()["cross_entropy"].tests[backend]
+            shapes += [
+                (m, n, d)
+                for m, n, d in itertools.product(tests.rows, tests.sizes, tests.dtypes)
+                if m * n > MAX_ELEMENTS
+            ]
+        mine = [(backend, *shape, i % len(OPTIONS)) for i, shape in enumerate(shapes)]
+        for n, d, k in itertools.product(OPTION_SIZES[backend], OPTION_DTYPES, range(len(OPTIONS))):
+            if (backend, 7, n, d, k) not in mine:
+                mine.append((backend, 7, n, d, k))
+        out += mine
+    return out
+
+
+CASES = cases()
+
+
+def draw(m, n, dtype, *key):
+    """Logits, labels (a fifth ignored), and random cotangents of the loss and lse (0 for
+    the lse of every other ignored row: their gradient is exactly 0). Drawn in numpy;
+    logits too large for a float64 copy on the device."""
+    seed = np.asarray(jax.random.key_data(key_for("ce", m, n, dtype, *key)))
+    rng = np.random.default_rng(seed)
+    labels = np.where(rng.random(m) < 0.2, IGNORE, rng.integers(0, n, m))
+    g = rng.standard_normal(m, np.float32)
+    g_lse = np.where((labels == IGNORE) & (np.arange(m) % 2 == 0), 0, rng.standard_normal(m))
+    if m * n > MAX_ELEMENTS // 4:
+        logits = _device_logits(jax.random.key(seed[-1]), m, n, dtype)
+    else:
+        logits = (4.0 * rng.standard_normal((m, n), np.float32)).astype(jnp.dtype(dtype))
+    arrays = logits, labels.astype(np.int32), g, (0.1 * g_lse).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in arrays)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_logits(key, m, n, dtype):
+    return (4.0 * jax.random.normal(key, (m, n), jnp.float32)).astype(dtype)
+
+
+def sampled_rows(m, n):
+    """None (all rows), or a random sample where a float64 copy of the logits would be
+    large."""
+    if m * n > MAX_ELEMENTS // 4:
+        return np.sort(np.random.default_rng(SEED).choice(m, SAMPLED_ROWS, replace=False))
+    return None
+
+
+def host(rows, *arrays):
+    """numpy copies of the arrays (of their ``rows``; None: all), the floating ones in
+    float64 (then ``assert_close`` compiles its comparison once per shape, whatever the
+    dtype)."""
+    return [as64(a if rows is None else a[rows]) for a in arrays]
+
+
+def as64(x):
+    x = np.asarray(x)
+    return x.astype(np.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def scalar(x):
+    return np.reshape(as64(x), 1)
+
+
+def assert_written(*outs):
+    for out in outs:
+        assert not bool(jnp.isnan(out).any()), f"unwritten or NaN elements (seed {SEED})"
+
+
+def loss_and_grad(opts):
+    """Per-row losses and lse, and their vjp: the forward kernel, then the backward."""
+
+    def f(logits, labels, g, g_lse):
+        def rows(x):
+            return quack_jax.cross_entropy(x, labels, reduction="none", return_lse=True, **opts)
+
+        (loss, lse), vjp = jax.vjp(rows, logits)
+        return loss, lse, vjp((g, g_lse))[0]
+
+    return f
+
+
+def mean_and_sum(opts):
+    """The mean and the sum loss with their gradients: one forward kernel each, which
+    writes the gradient."""
+
+    def f(logits, labels):
+        def loss(reduction):
+            return lambda x: quack_jax.cross_entropy(x, labels, reduction=reduction, **opts)
+
+        return (*jax.value_and_grad(loss("mean"))(logits), *jax.value_and_grad(loss("sum"))(logits))
+
+    return f
+
+
+def check_per_row(backend, logits, labels, g, g_lse, opts, rows=None):
+    """loss_and_grad against the reference on ``rows`` (None: all); the gradient of the
+    rows that neither cotangent reaches is 0."""
+    dtype = logits.dtype.name
+    loss, lse, grad = run(backend, loss_and_grad(opts), logits, labels, g, g_lse, launches=2)
+    assert grad.dtype == logits.dtype and loss.dtype == lse.dtype == jnp.float32
+    if rows is not None:
+        assert_written(loss, lse, grad)
+    logits, labels, g, g_lse, loss, lse, grad = host(
+        rows, logits, labels, g, g_lse, loss, lse, grad
     )
+    ref_loss, ref_lse, ref_grad, mag, row_mag = reference(logits, labels, g, g_lse, opts)
+    dead = (labels == IGNORE) & (g_lse == 0)
+    assert (grad[dead] == 0).all(), f"dlogits of rows no cotangent reaches (seed {SEED})"
+    assert (loss[labels == IGNORE] == 0).all(), f"loss of ignored rows (seed {SEED})"
+    assert_close(loss, ref_loss, row_mag, "float32", "loss")
+    assert_close(lse, ref_lse, row_mag, "float32", "lse")
+    assert_close(grad, ref_grad, mag, dtype, "dlogits", logits=logits)
 
 
-OPTIONS = [
-    dict(smoothing=s, z_loss=z, softcap=c)
-    for s, z, c in itertools.product((0.0, 0.1), (0.0, 1e-3), (None, 5.0))
-]
+def check_mean_and_sum(backend, logits, labels, opts, rows=None):
+    """mean_and_sum against the reference on ``rows`` (None: all, and the losses); the
+    gradient of ignored rows is 0."""
+    dtype = logits.dtype.name
+    out = run(backend, mean_and_sum(opts), logits, labels, launches=2)
+    if rows is not None:
+        assert_written(out[1], out[3])
+    count = int(jnp.sum(labels != IGNORE))  # over all rows: the mean's divisor
+    logits, labels = host(rows, logits, labels)
+    kept = labels != IGNORE
+    for (loss, grad), reduction in zip((out[:2], out[2:]), ("mean", "sum"), strict=True):
+        assert loss.dtype == jnp.float32 and grad.dtype.name == dtype
+        loss, (grad,) = scalar(loss), host(rows, grad)
+        w = kept / max(count, 1) if reduction == "mean" else kept
+        ref_loss, _, ref_grad, mag, row_mag = reference(logits, labels, w, 0 * w, opts)
+        what = f"dlogits of the {reduction}"
+        assert (grad[~kept] == 0).all(), f"{what}: ignored rows (seed {SEED})"
+        assert_close(grad, ref_grad, mag, dtype, what, logits=logits)
+        if rows is None:
+            total, size = np.sum(ref_loss), np.sum(row_mag)
+            if reduction == "mean":
+                total, size = total / count if count else np.nan, size / max(count, 1)
+            assert_close(loss, scalar(total), scalar(size), "float32", reduction)
 
 
-@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_loss_and_gradient_match_float64(opts, dtype, reduction):
-    logits, labels = make_inputs(37, 1000, dtype, seed=hash(str(opts)) % 1000)
-    kwargs = dict(
-        label_smoothing=opts["smoothing"], z_loss=opts["z_loss"], logit_softcap=opts["softcap"]
-    )
-    weights = jax.random.normal(jax.random.key(7), (37,))
-
-    def ours(x):
-        loss = quack_jax.cross_entropy(x, labels, reduction=reduction, **kwargs)
-        return jnp.sum(loss * weights) if reduction == "none" else loss
-
-    def ref(x):
-        rows, _ = reference_rows(x, labels, **opts)
-        if reduction == "none":
-            return jnp.sum(rows * weights)
-        total = jnp.sum(rows)
-        return total if reduction == "sum" else total / jnp.sum(labels != IGNORE)
-
-    loss, grad = jax.value_and_grad(ours)(logits)
-    assert loss.dtype == jnp.float32 and grad.dtype == logits.dtype
-    with jax.enable_x64(True):
-        x64 = jnp.asarray(logits, jnp.float64)
-        ref_loss, ref_grad = jax.value_and_grad(ref)(x64)
-    close(loss, ref_loss, dtype, scale=float(jnp.abs(ref_loss)) + 1)
-    close(grad.astype(jnp.float32), ref_grad, dtype, scale=float(jnp.max(jnp.abs(ref_grad))))
-    ignored = np.asarray(labels == IGNORE)
-    assert np.all(np.asarray(grad)[ignored] == 0)
+@pytest.mark.parametrize(("backend", "m", "n", "dtype", "k"), [backend_param(*c) for c in CASES])
+def test_per_row_losses_and_their_gradient(backend, m, n, dtype, k):
+    """reduction="none" with lse: the forward kernel, then the backward kernel."""
+    check_per_row(backend, *draw(m, n, dtype, k), OPTIONS[k], sampled_rows(m, n))
 
 
-def test_per_row_loss_lse_and_lse_gradient():
-    logits, labels = make_inputs(16, 257, "float32", seed=3)
-    loss, lse = quack_jax.cross_entropy(logits, labels, reduction="none", return_lse=True)
-    with jax.enable_x64(True):
-        ref_loss, ref_lse = reference_rows(jnp.asarray(logits, jnp.float64), labels)
-    close(loss, ref_loss, "float32", 10.0)
-    close(lse, ref_lse, "float32", 10.0)
-
-    def f(x):
-        loss, lse = quack_jax.cross_entropy(x, labels, return_lse=True, z_loss=0.01)
-        return loss + jnp.sum(jnp.sin(lse))
-
-    def g(x):
-        rows, lse = reference_rows(x, labels, z_loss=0.01)
-        return jnp.sum(rows) / jnp.sum(labels != IGNORE) + jnp.sum(jnp.sin(lse))
-
-    with jax.enable_x64(True):
-        ref = jax.grad(g)(jnp.asarray(logits, jnp.float64))
-    close(jax.grad(f)(logits), ref, "float32", 1.0)
+@pytest.mark.parametrize(("backend", "m", "n", "dtype", "k"), [backend_param(*c) for c in CASES])
+def test_mean_and_sum_gradient_from_the_forward(backend, m, n, dtype, k):
+    """A mean or sum loss under jax.grad: one forward kernel that also writes the
+    gradient."""
+    logits, labels, _, _ = draw(m, n, dtype, k)
+    check_mean_and_sum(backend, logits, labels, OPTIONS[k], sampled_rows(m, n))
 
 
-def test_leading_dims_vmap_and_jit():
-    logits, labels = make_inputs(24, 100, "float32", seed=5)
-    x3, l3 = logits.reshape(2, 3, 4, 100), labels.reshape(2, 3, 4)
-    flat = quack_jax.cross_entropy(logits, labels, reduction="none")
-    np.testing.assert_array_equal(
-        quack_jax.cross_entropy(x3, l3, reduction="none"), flat.reshape(2, 3, 4)
-    )
-    batched = jax.jit(jax.vmap(lambda x, y: quack_jax.cross_entropy(x, y, reduction="none")))(
-        x3, l3
-    )
-    np.testing.assert_array_equal(batched, flat.reshape(2, 3, 4))
-    grads = jax.vmap(jax.grad(lambda x, y: quack_jax.cross_entropy(x, y, reduction="sum")))(x3, l3)
-    flat_grad = jax.grad(lambda x: quack_jax.cross_entropy(x, labels, reduction="sum"))(logits)
-    np.testing.assert_allclose(grads.reshape(24, 100), flat_grad, rtol=1e-6, atol=1e-7)
+def special_inputs(n, dtype):
+    """12 rows: NaN, +inf, all -inf, one -inf, NaN ignored, +-1e30, label n, label -1,
+    ignored, and plain rows."""
+    seed = np.asarray(jax.random.key_data(key_for("special", n, dtype)))
+    x = 3.0 * np.random.default_rng(seed).standard_normal((12, n), np.float32)
+    x[0, n // 2] = x[4, n // 3] = np.nan
+    x[1, n - 1], x[2], x[3, 0] = np.inf, -np.inf, -np.inf
+    x[5, 0], x[5, n - 1] = 1e30, -1e30
+    labels = np.arange(12) % n
+    labels[[4, 6, 7, 8]] = IGNORE, n, -1, IGNORE
+    with np.errstate(over="ignore"):  # 1e30 is inf in float16
+        return jnp.asarray(x.astype(jnp.dtype(dtype))), jnp.asarray(labels, jnp.int32)
 
 
-def test_special_values_and_labels():
-    n = 6
-    logits = jnp.array(
-        [
-            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],  # label out of range -> NaN
-            [0.0, jnp.nan, 2.0, 3.0, 4.0, 5.0],  # NaN logit -> NaN
-            [0.0, jnp.inf, 2.0, 3.0, 4.0, 5.0],  # +inf -> lse +inf, loss +inf
-            [-jnp.inf] * 6,  # all -inf -> NaN
-            [0.0, jnp.nan, 2.0, 3.0, 4.0, 5.0],  # ignored NaN row -> 0, gradient 0
-            [1e30, 1.0, -1e30, 3.0, 4.0, 5.0],  # huge magnitudes
-            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],  # negative label -> NaN
-        ],
-        jnp.float32,
-    )
-    labels = jnp.array([n, 0, 0, 0, IGNORE, 1, -1])
-    loss, lse = quack_jax.cross_entropy(logits, labels, reduction="none", return_lse=True)
-    loss, lse = np.asarray(loss), np.asarray(lse)
-    assert np.isnan(loss[[0, 1, 3, 6]]).all()
-    assert loss[2] == np.inf and lse[2] == np.inf
-    assert lse[3] == -np.inf and np.isnan(lse[1])
-    assert loss[4] == 0.0
-    np.testing.assert_allclose(loss[5], 1e30 - 1.0, rtol=1e-6)
-    grad = np.asarray(
-        jax.grad(lambda x: quack_jax.cross_entropy(x, labels, reduction="sum"))(logits)
-    )
-    assert np.isnan(grad[[0, 6]]).all()
-    assert (grad[4] == 0).all()
-    assert np.isfinite(grad[5]).all()
+@pytest.mark.parametrize("k", SPECIAL_OPTIONS)
+@pytest.mark.parametrize(("backend", "n", "dtype"), grid("cross_entropy", special=True))
+def test_special_values_and_labels(backend, n, dtype, k):
+    """NaN, +inf, all -inf rows, huge magnitudes, out-of-range and ignored labels: NaN
+    and inf where the float64 reference has them, ignored rows 0 with gradient 0."""
+    logits, labels = special_inputs(n, dtype)
+    g = jnp.ones(labels.shape, jnp.float32)
+    check_per_row(backend, logits, labels, g, 0 * g, OPTIONS[k])
+    check_mean_and_sum(backend, logits, labels, OPTIONS[k])
 
 
-def test_mean_counts_rows_not_ignored_and_empty_inputs():
-    logits, labels = make_inputs(8, 10, "float32", seed=1, ignored=0.0)
-    labels = labels.at[:3].set(IGNORE)
-    mean = quack_jax.cross_entropy(logits, labels)
-    total = quack_jax.cross_entropy(logits, labels, reduction="sum")
-    np.testing.assert_allclose(mean, total / 5, rtol=1e-6)
-    assert np.isnan(quack_jax.cross_entropy(logits, jnp.full((8,), IGNORE)))
-    empty = quack_jax.cross_entropy(
-        jnp.zeros((0, 10)), jnp.zeros((0,), jnp.int32), reduction="none"
-    )
-    assert empty.shape == (0,)
-    assert (
-        quack_jax.cross_entropy(jnp.zeros((0, 10)), jnp.zeros((0,), jnp.int32), reduction="sum")
-        == 0
-    )
-    out = quack_jax.cross_entropy(logits.astype(jnp.float16), labels.astype(jnp.int16))
-    np.testing.assert_allclose(out, mean, rtol=2e-3)
+# the shape of the small tests' logits (the CPU's special values': the same comparisons)
+SMALL_M, SMALL_N = 12, 40
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_mean_loss_with_lse(backend):
+    """A mean loss with return_lse (the per-row kernels), differentiated through both
+    outputs."""
+    logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float32", "lse")
+
+    def f(x, labels):
+        def total(x):
+            loss, lse = quack_jax.cross_entropy(x, labels, return_lse=True, z_loss=0.01)
+            return loss + jnp.sum(jnp.sin(lse)), (loss, lse)
+
+        (_, (loss, lse)), grad = jax.value_and_grad(total, has_aux=True)(x)
+        return loss, lse, grad
+
+    loss, lse, grad = host(None, *run(backend, f, logits, labels, launches=2))
+    opts = dict(OPTIONS[0], z_loss=0.01)
+    kept = np.asarray(labels) != IGNORE
+    w = kept / np.sum(kept)
+    ref_loss, ref_lse, _, _, row_mag = reference(logits, labels, w, 0 * w, opts)
+    _, _, ref_grad, mag, _ = reference(logits, labels, w, np.cos(ref_lse), opts)
+    assert_close(lse, ref_lse, row_mag, "float32", "lse")
+    mean, size = np.sum(ref_loss) / np.sum(kept), np.sum(row_mag) / np.sum(kept)
+    assert_close(scalar(loss), scalar(mean), scalar(size), "float32", "mean")
+    assert_close(grad, ref_grad, mag, "float32", "dlogits", logits=logits)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_leading_dims_and_vmap(backend):
+    """Leading dims and vmap: the same rows' losses as flat rows, and the gradient."""
+    logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float32", "leading")
+    shape = (2, 3, SMALL_M // 6)
+    x3, l3 = logits.reshape(*shape, SMALL_N), labels.reshape(shape)
+
+    def rows(x, y):
+        return quack_jax.cross_entropy(x, y, reduction="none")
+
+    def total(x, y):
+        return quack_jax.cross_entropy(x, y, reduction="sum")
+
+    flat = run(backend, rows, logits, labels, launches=1)
+    np.testing.assert_array_equal(run(backend, rows, x3, l3, launches=1), flat.reshape(shape))
+    batched = run(backend, jax.vmap(rows), x3, l3, launches=1)
+    np.testing.assert_array_equal(batched, flat.reshape(shape))
+    grads = run(backend, jax.vmap(jax.grad(total)), x3, l3, launches=1)
+    ones = np.ones(labels.shape)
+    ref_loss, _, ref_grad, mag, row_mag = reference(logits, labels, ones, 0 * ones, OPTIONS[0])
+    assert_close(as64(flat), ref_loss, row_mag, "float32", "loss")
+    assert_close(as64(grads).reshape(logits.shape), ref_grad, mag, "float32", "vmap of grad")
+
+
+def rows_of(x, y):
+    return quack_jax.cross_entropy(x, y, reduction="none")
+
+
+def sum_of(x, y):
+    return quack_jax.cross_entropy(x, y, reduction="sum")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_mean_counts_rows_not_ignored_labels_and_empty_inputs(backend):
+    """The mean divides by the rows not ignored (NaN when all are); int16 labels with
+    float16 logits; uint32 labels beyond int32 are out of range; empty inputs."""
+    logits, labels, _, _ = draw(8, 10, "float32", "mean")
+    labels = np.where(np.asarray(labels) == IGNORE, 5, labels)
+    labels[:3] = IGNORE
+    ones = np.ones(labels.shape)
+    for x, y, what in (
+        (logits, jnp.asarray(labels), "float32"),
+        (logits.astype(jnp.float16), jnp.asarray(labels, jnp.int16), "float16 int16"),
+    ):
+        mean, total = run(
+            backend, lambda x, y: (quack_jax.cross_entropy(x, y), sum_of(x, y)), x, y, launches=2
+        )
+        ref_loss, _, _, _, row_mag = reference(x, labels, ones, ones, OPTIONS[0])
+        want, size = np.sum(ref_loss), np.sum(row_mag)
+        assert_close(scalar(total), scalar(want), scalar(size), "float32", f"sum {what}")
+        assert_close(scalar(mean), scalar(want / 5), scalar(size / 5), "float32", f"mean {what}")
+
+    none = run(backend, quack_jax.cross_entropy, logits, jnp.full((8,), IGNORE), launches=1)
+    assert np.isnan(none)
     unsigned = jnp.array([0, 3, 2**32 - 1], jnp.uint32)  # the last is out of range, not -1
-    rows = quack_jax.cross_entropy(logits[:3], unsigned, reduction="none")
-    assert np.isfinite(rows[:2]).all() and np.isnan(rows[2])
+    out = run(backend, rows_of, logits[:3], unsigned, launches=1)
+    assert np.isfinite(out[:2]).all() and np.isnan(out[2])
+
+    empty = jnp.zeros((0, 10)), jnp.zeros((0,), jnp.int32)
+    assert run(backend, rows_of, *empty, launches=0).shape == (0,)
+    assert run(backend, sum_of, *empty, launches=0) == 0
 
 
-def test_float64_runs_the_reference():
+@pytest.mark.parametrize("backend", backends())
+def test_float64_runs_the_reference(backend):
     with jax.enable_x64(True):
-        logits, labels = make_inputs(5, 9, "float64", seed=2)
+        logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float64", "float64")
         labels = labels.astype(jnp.int64)
-        out = quack_jax.cross_entropy(logits, labels, reduction="none", label_smoothing=0.2)
-        ref, _ = reference_rows(logits, labels, smoothing=0.2)
-        assert out.dtype == jnp.float64
-        np.testing.assert_allclose(out, ref, rtol=1e-12)
+
+        def f(x, y):
+            return quack_jax.cross_entropy(x, y, reduction="none", label_smoothing=0.2)
+
+        out = run(backend, f, logits, labels, launches=0)
         big = labels.at[0].set(2**32 + 1)  # beyond int32: out of range, not wrapped
-        assert np.isnan(quack_jax.cross_entropy(logits, big, reduction="none")[0])
+        first = run(backend, f, logits, big, launches=0)[0]
+        assert out.dtype == jnp.float64
+        ones = np.ones(labels.shape)
+        opts = dict(OPTIONS[0], label_smoothing=0.2)
+        ref, _, _, _, row_mag = reference(logits, labels, ones, ones, opts)
+        assert_close(np.asarray(out), ref, row_mag, "float64", "float64 loss")
+        assert np.isnan(first)
 
 
-def test_optax_alias_matches_optax():
+@pytest.mark.parametrize("backend", backends())
+def test_optax_alias_matches_optax(backend):
+    """softmax_cross_entropy_with_integer_labels against optax's in float64: labels in
+    [-V, 0) count from the end, others outside [0, V) give NaN; ``axis``; ``where`` of
+    the labels' and of the logits' shape; the gradient."""
     optax = pytest.importorskip("optax")
-    logits, labels = make_inputs(12, 50, "float32", seed=4, ignored=0.0)
-    labels = labels.at[0].set(-1).at[1].set(-50).at[2].set(50).at[3].set(-51)
-    ours = quack_jax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    theirs = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+    alias = quack_jax.softmax_cross_entropy_with_integer_labels
+    theirs = optax.softmax_cross_entropy_with_integer_labels
+    m, n = SMALL_M, SMALL_N
+    logits, labels, _, _ = draw(m, n, "float32", "optax")
+    labels = np.where(np.asarray(labels) == IGNORE, 7, labels)
+    labels[:4] = -1, -n, n, -n - 1
+    labels = jnp.asarray(labels)
+    rows = jnp.arange(m) % 3 > 0
+    mask = jax.random.uniform(key_for("optax", "mask"), logits.shape) > 0.3
+    ok = np.asarray(labels >= 0)
+
+    def reference_of(fn, *args, **kw):
+        """fn of float64 logits (the first argument), and |lse| + 1 of their rows."""
+
+        def both(x, *rest):
+            return fn(x, *rest, **kw), 1 + jnp.abs(jax.nn.logsumexp(x, axis=kw.get("axis", -1)))
+
+        with jax.enable_x64(True):
+            x64 = jnp.asarray(args[0]).astype(jnp.float64)
+            return tuple(np.asarray(a) for a in jax.jit(both)(x64, *args[1:]))
+
+    def grad_of(fn):
+        return jax.grad(lambda x, y: fn(x, y)[4:].sum())
+
+    ours = as64(run(backend, alias, logits, labels, launches=1))
+    assert_close(ours, *reference_of(theirs, logits, labels), "float32", "loss")
     assert np.isnan(ours[2]) and np.isnan(ours[3]) and np.isfinite(ours[:2]).all()
-    grad_ours = jax.grad(
-        lambda x: quack_jax.softmax_cross_entropy_with_integer_labels(x, labels)[4:].sum()
-    )(logits)
-    grad_theirs = jax.grad(
-        lambda x: optax.softmax_cross_entropy_with_integer_labels(x, labels)[4:].sum()
-    )(logits)
-    np.testing.assert_allclose(grad_ours, grad_theirs, rtol=1e-5, atol=1e-6)
+
+    grad = as64(run(backend, grad_of(alias), logits, labels, launches=2))
+    ref_grad, _ = reference_of(grad_of(theirs), logits, labels)
+    assert_close(grad, ref_grad, 1 + np.abs(ref_grad), "float32", "gradient")
+
     t = jnp.moveaxis(logits, -1, 0)
-    np.testing.assert_allclose(
-        quack_jax.softmax_cross_entropy_with_integer_labels(t, labels, axis=0), theirs, rtol=1e-5
-    )
-    rows = jnp.arange(12) % 3 > 0
-    np.testing.assert_allclose(
-        quack_jax.softmax_cross_entropy_with_integer_labels(logits, labels, where=rows),
-        optax.softmax_cross_entropy_with_integer_labels(logits, labels, where=rows),
-        rtol=1e-5,
-    )
-    mask = jax.random.uniform(jax.random.key(1), logits.shape) > 0.3
-    ok = labels >= 0
-    np.testing.assert_allclose(
-        quack_jax.softmax_cross_entropy_with_integer_labels(logits[ok], labels[ok], where=mask[ok]),
-        optax.softmax_cross_entropy_with_integer_labels(logits[ok], labels[ok], where=mask[ok]),
-        rtol=1e-5,
-    )
+    ours = as64(run(backend, lambda x, y: alias(x, y, axis=0), t, labels, launches=1))
+    assert_close(ours, *reference_of(theirs, t, labels, axis=0), "float32", "axis=0")
+
+    ours = run(backend, lambda x, y, w: alias(x, y, where=w), logits, labels, rows, launches=1)
+    ref = reference_of(theirs, logits, labels, where=rows)
+    assert_close(as64(ours), *ref, "float32", "where of the labels' shape")
+
+    args = logits[ok], labels[ok], mask[ok]
+    ours = run(backend, lambda x, y, w: alias(x, y, where=w), *args, launches=0)
+    ref = reference_of(theirs, *args[:2], where=args[2])
+    assert_close(as64(ours), *ref, "float32", "where of the logits' shape")
 
 
 BAD = [
@@ -241,19 +477,21 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("change,error,message", BAD)
-def test_bad_inputs_name_the_argument(change, error, message):
+@pytest.mark.parametrize(("change", "error", "message"), BAD)
+@pytest.mark.parametrize("backend", backends())
+def test_bad_inputs_name_the_argument(backend, change, error, message):
     args = dict(logits=jnp.zeros((4, 8)), labels=jnp.zeros((4,), jnp.int32))
     args.update(change)
     logits, labels = args.pop("logits"), args.pop("labels")
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=f"cross_entropy: {message}"):
         jax.jit(lambda x: quack_jax.cross_entropy(x, labels, **args)).trace(logits)
 
 
 @pytest.mark.cutlass
 def test_cuda_lowering_launches(monkeypatch, tmp_path):
-    """Under jax.grad a mean loss takes one kernel (the forward writes the gradient); per-row
-    losses take a forward and a backward kernel; the loss alone one forward kernel."""
+    """Lowered for CUDA on any machine: under jax.grad a mean loss takes one kernel (the
+    forward writes the gradient); per-row losses take a forward and a backward kernel;
+    the loss alone one forward kernel."""
     monkeypatch.setenv("QUACK_JAX_CACHE", str(tmp_path))
     x = jax.ShapeDtypeStruct((64, 32000), jnp.bfloat16)
     labels = jax.ShapeDtypeStruct((64,), jnp.int32)
@@ -270,3 +508,23 @@ def test_cuda_lowering_launches(monkeypatch, tmp_path):
     assert launches(mean_grad) == 1
     assert launches(rows_grad) == 2
     assert launches(lambda x, y: quack_jax.cross_entropy(x, y)) == 1
+
+
+# row lengths and dtypes of the small gpu tests, which run the default options (the
+# kernels do not depend on z_loss, ignore_index or the number of rows)
+SMALL = [(SMALL_N, "float32"), (10, "float32"), (10, "float16")]
+
+
+def prebuild_cases():
+    """(fn, shape-dtype structs) whose lowering builds every kernel the gpu tests launch:
+    the per-row and the reduced losses' gradients at each row length, dtype and option
+    mix they run."""
+    runs = {(n, dtype, k) for backend, _, n, dtype, k in CASES if backend == "gpu"}
+    special = grid("cross_entropy", special=True, backends=("gpu",))
+    runs |= {(p.values[1], p.values[2], k) for p in special for k in SPECIAL_OPTIONS}
+    runs |= {(n, dtype, 0) for n, dtype in SMALL}
+    for n, dtype, k in sorted(runs):
+        logits = jax.ShapeDtypeStruct((8, n), dtype)
+        labels, row = jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.float32)
+        yield loss_and_grad(OPTIONS[k]), (logits, labels, row, row)
+        yield mean_and_sum(OPTIONS[k]), (logits, labels)

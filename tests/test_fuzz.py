@@ -1,9 +1,9 @@
-"""Property-based tests: hypothesis draws shapes, dtypes, options and values (normal
-draws at several scales, NaN, +-inf, huge and tiny magnitudes, -inf rows, ignored and
-out-of-range labels) and each op is compared with a float64 reference: the values,
-NaN and infinities where the reference has them, and the gradient on rows whose inputs
-are finite. The CPU tests run the XLA fallback; the ``gpu`` tests run the same generator
-through the kernels, on the row lengths whose kernels ``prebuild_cases()`` lists.
+"""Property-based tests on both backends: hypothesis draws shapes, dtypes, options and
+values (normal draws at several scales, NaN, +-inf, huge and tiny magnitudes, -inf rows,
+ignored and out-of-range labels) and each op is compared with a float64 reference
+(``checks.assert_close``): the values, NaN and infinities where the reference has them,
+and the gradient on rows whose inputs are finite. The "cpu" backend draws row lengths
+1-300; the "gpu" one draws the row lengths whose kernels ``prebuild_cases()`` lists.
 """
 
 import itertools
@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import assert_close, backends
 from test_cross_entropy import reference_rows
 from test_norm import jax64_grads, np_h, np_norm, np_stats
 
@@ -21,12 +22,10 @@ import quack_jax
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
-TOL = {"float32": 3e-5, "bfloat16": 2e-2, "float16": 4e-3}
 DTYPES = ("float32", "bfloat16", "float16")
-CPU_SIZES = st.integers(1, 300)
 # the GPU runs draw row lengths from these, whose kernels prebuild_cases() lists
 GPU_SIZES = {"softmax": (1, 7, 100, 1024, 5000), "norm": (7, 1000, 4096), "ce": (7, 1000)}
-CE_DTYPES = ("float32", "bfloat16")
+CE_DTYPES = {"cpu": DTYPES, "gpu": ("float32", "bfloat16")}
 NORM_OPTIONS = [
     dict(weight=w, bias=b, residual=r, prenorm=p, out=o)
     for w, b, r, p, o in itertools.product(
@@ -44,7 +43,7 @@ CE_OPTIONS = [
 # fresh random draws per test instead (a failure prints its inputs).
 EXPLORE = int(os.environ.get("QUACK_JAX_FUZZ_EXAMPLES", "0"))
 SETTINGS = hypothesis.settings(
-    max_examples=EXPLORE or 40,
+    max_examples=EXPLORE or 40,  # the CPU's; the GPU's 60
     derandomize=not EXPLORE,
     deadline=None,
     database=None,
@@ -77,24 +76,25 @@ def finite_rows(*arrays):
 
 
 def assert_matches(out, ref, dtype, what, mag=None):
-    """Same NaN and infinities as the reference; elsewhere within TOL of the magnitude
-    of the terms that make each element (``mag``, default the reference itself) plus the
-    row's largest."""
-    # the reference as the output's dtype holds it (a float32 loss of 1e56 is inf)
-    ref = np.asarray(np.asarray(ref, np.float64).astype(np.asarray(out).dtype), np.float64)
-    out = np.asarray(out, np.float64)
+    """``checks.assert_close`` against the float64 ``ref`` as the output's dtype holds it
+    (a float32 loss of 1e56 is inf), with the size of the terms that make each element
+    (``mag``, default the reference itself) plus the row's largest: a row mixes scales and
+    specials, and its largest terms enter each element through the row's reductions."""
+    out, ref = np.asarray(out), np.asarray(ref, np.float64)
     assert out.shape == ref.shape, what
-    if not ref.size:
-        return
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref), err_msg=f"{what}: NaN")
-    special = ~np.isfinite(ref)
-    np.testing.assert_array_equal(out[special], ref[special], err_msg=f"{what}: inf")
+    held = ref.astype(out.dtype).astype(np.float64)
+    ref = np.where(np.isinf(held), held, ref)
     mag = np.abs(ref) if mag is None else np.asarray(mag, np.float64)
-    finite = np.where(np.isfinite(mag), mag, 0.0)
-    row = finite.max(axis=-1, keepdims=True) if ref.ndim else finite
-    bound = TOL[dtype] * (finite + row) + 1e-30
-    ok = ~np.isfinite(ref) | (np.abs(out - ref) <= bound)
-    assert ok.all(), f"{what}: {np.sum(~ok)} elements off, e.g. {out[~ok][:3]} vs {ref[~ok][:3]}"
+    mag = np.where(np.isfinite(mag), mag, 0.0)
+    mag = mag + (np.max(mag, axis=-1, keepdims=True, initial=0.0) if mag.ndim else mag)
+    # assert_close compiles its operations for each shape, and the draws' shapes vary: it
+    # gets the elements as one row, padded with NaN (NaN matches NaN) to a few widths
+    width = max(1 << max(out.size - 1, 0).bit_length(), 4096)
+    out, ref, mag = (
+        np.pad(np.float64(a).ravel(), (0, width - a.size), constant_values=pad)
+        for a, pad in ((out, np.nan), (ref, np.nan), (mag, 0.0))
+    )
+    assert_close(out, ref, mag, dtype, what)
 
 
 # -- the programs under test (one jitted function each, so prebuild can lower them) ----
@@ -252,66 +252,61 @@ def check_cross_entropy(x, dtype, options, seed):
 SOFTMAX_HUGE, NORM_HUGE = 1e30, 1e15  # squares of the norms' values stay within float32
 
 
-@SETTINGS
-@hypothesis.given(arrays(CPU_SIZES, DTYPES, SOFTMAX_HUGE), st.booleans(), st.integers(0, 99))
-def test_softmax(data, log, seed):
-    check_softmax(*data, log, seed)
+def sizes(backend, family):
+    if backend == "cpu":
+        return st.integers(1, 300)
+    return st.sampled_from(GPU_SIZES[family])
 
 
-@SETTINGS
-@hypothesis.given(
-    arrays(CPU_SIZES, DTYPES, NORM_HUGE),
-    st.booleans(),
-    st.sampled_from(NORM_OPTIONS),
-    st.integers(0, 99),
-)
-def test_norms(data, rms, options, seed):
-    check_norm(*data, rms, options, seed)
+def given(backend, *strategies):
+    """hypothesis.given with the backend's number of examples."""
+    settings = hypothesis.settings(
+        SETTINGS, max_examples=EXPLORE or (60 if backend == "gpu" else 40)
+    )
+    return lambda check: settings(hypothesis.given(*strategies)(check))
 
 
-@SETTINGS
-@hypothesis.given(
-    arrays(CPU_SIZES, DTYPES, SOFTMAX_HUGE), st.sampled_from(CE_OPTIONS), st.integers(0, 99)
-)
-def test_cross_entropy(data, options, seed):
-    check_cross_entropy(*data, options, seed)
+@pytest.mark.parametrize("backend", backends())
+def test_softmax(backend):
+    @given(
+        backend,
+        arrays(sizes(backend, "softmax"), DTYPES, SOFTMAX_HUGE),
+        st.booleans(),
+        st.integers(0, 99),
+    )
+    def softmax(data, log, seed):
+        check_softmax(*data, log, seed)
+
+    softmax()
 
 
-GPU_SETTINGS = hypothesis.settings(SETTINGS, max_examples=EXPLORE or 60)
+@pytest.mark.parametrize("backend", backends())
+def test_norms(backend):
+    @given(
+        backend,
+        arrays(sizes(backend, "norm"), DTYPES, NORM_HUGE),
+        st.booleans(),
+        st.sampled_from(NORM_OPTIONS),
+        st.integers(0, 99),
+    )
+    def norms(data, rms, options, seed):
+        check_norm(*data, rms, options, seed)
+
+    norms()
 
 
-@pytest.mark.gpu
-@GPU_SETTINGS
-@hypothesis.given(
-    arrays(st.sampled_from(GPU_SIZES["softmax"]), DTYPES, SOFTMAX_HUGE),
-    st.booleans(),
-    st.integers(0, 99),
-)
-def test_softmax_gpu(data, log, seed):
-    check_softmax(*data, log, seed)
+@pytest.mark.parametrize("backend", backends())
+def test_cross_entropy(backend):
+    @given(
+        backend,
+        arrays(sizes(backend, "ce"), CE_DTYPES[backend], SOFTMAX_HUGE),
+        st.sampled_from(CE_OPTIONS),
+        st.integers(0, 99),
+    )
+    def cross_entropy(data, options, seed):
+        check_cross_entropy(*data, options, seed)
 
-
-@pytest.mark.gpu
-@GPU_SETTINGS
-@hypothesis.given(
-    arrays(st.sampled_from(GPU_SIZES["norm"]), DTYPES, NORM_HUGE),
-    st.booleans(),
-    st.sampled_from(NORM_OPTIONS),
-    st.integers(0, 99),
-)
-def test_norms_gpu(data, rms, options, seed):
-    check_norm(*data, rms, options, seed)
-
-
-@pytest.mark.gpu
-@GPU_SETTINGS
-@hypothesis.given(
-    arrays(st.sampled_from(GPU_SIZES["ce"]), CE_DTYPES, SOFTMAX_HUGE),
-    st.sampled_from(CE_OPTIONS),
-    st.integers(0, 99),
-)
-def test_cross_entropy_gpu(data, options, seed):
-    check_cross_entropy(*data, options, seed)
+    cross_entropy()
 
 
 def prebuild_cases():
@@ -331,5 +326,5 @@ def prebuild_cases():
         args = (row, w[options["weight"]], None if rms else w[options["bias"]])
         args += (row if options["residual"] else None, y, row if options["prenorm"] else None)
         yield norm_program(rms, options), args
-    for dtype, n, options in itertools.product(CE_DTYPES, GPU_SIZES["ce"], CE_OPTIONS):
+    for dtype, n, options in itertools.product(CE_DTYPES["gpu"], GPU_SIZES["ce"], CE_OPTIONS):
         yield ce_program(options), (spec((3, n), dtype), spec((3,), "int32"))

@@ -1,178 +1,277 @@
-"""quack_jax.linear_cross_entropy through the XLA fallback (CPU): it must equal
-``cross_entropy(h @ weight + bias, labels, ...)`` in its values and in the gradients of
-h, the weight and the bias.
+"""quack_jax.linear_cross_entropy on both backends: ``cross_entropy(h @ weight + bias)``
+in chunks of rows, its values and the gradients of h, the weight and the bias against
+one float64 reference (``reference``), which rounds the logits as the GEMM makes them.
 
-1. every option (reductions, label smoothing, z-loss, softcap, lse with a cotangent of
-   its own, ignore_index, bias, both weight layouts) against a float64 reference written
-   here, in float32 and bfloat16; also with jax_enable_x64 on;
+1. the test grid (SPEC), every option (reductions, label smoothing, z-loss, softcap,
+   lse with a cotangent of its own, ignore_index, bias, both weight layouts) in float32
+   and bfloat16; with jax_enable_x64 on (float64 inputs: the XLA reference);
 2. chunk sizes that divide T or not, larger than T, 1; empty and single-row inputs; two
    leading dims;
-3. an ignored chunk and an ignored batch, labels out of range, NaN and inf in h (against
-   quack_jax.cross_entropy of the full logits);
-4. the memory saved over the unfused loss;
-5. sharded jit on 8 host devices (rows split, vocabulary split, both; either weight
-   layout) and the collectives it uses; inside shard_map;
+3. an ignored chunk, every row ignored, labels out of range, NaN and inf in h;
+4. memory: less than the unfused loss by the logits; on the GPU the kernel writes the
+   gradient over the logits in place;
+5. (CPU) sharded jit on 8 host devices (rows split, vocabulary split, both; either
+   weight layout) and the collectives it uses; inside shard_map;
 6. jax.checkpoint, lax.scan over microbatches, jax.vmap (per-example weight gradients);
 7. the gradient of h alone or of the weight alone, and that only it is made;
 8. preferred_element_type and precision;
-9. argument errors, raised at trace time and naming the argument.
+9. (CPU) argument errors, raised at trace time and naming the argument.
 """
 
 import functools
+import itertools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import TOL, assert_close, backends, grid, key_for, run
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import quack_jax
+from quack_jax import _ffi
 
 IGNORE = -100
-# error allowed relative to the largest finite magnitude of the reference
-TOL = {"float32": 1e-5, "bfloat16": 2e-2}
+D, CHUNK = 64, 128  # the grid's hidden size and chunk: T = 300 is two whole chunks and a part
+T, HIDDEN, V = 37, 16, 1000  # the smaller cases' tokens, hidden size and vocabulary
+SCALE = 1.5  # the cotangent of a "sum" or "mean" loss: not 1, so custom_vjp must scale
+ALL = ("h", "weight", "bias")
 
 
-def make_inputs(t, d, v, dtype="float32", seed=0, ignored=0.25, ignore_index=IGNORE, lead=None):
-    """h (t, d), or (*lead, d); a (d, v) weight that gives logits of size ~3; a (v,) bias;
-    labels in [0, v) with about a fraction ``ignored`` of them ``ignore_index``."""
-    k = jax.random.split(jax.random.key(seed), 5)
-    h = jax.random.normal(k[0], (t, d), jnp.float32)
-    w = 3.0 / np.sqrt(d) * jax.random.normal(k[1], (d, v), jnp.float32)
-    b = jax.random.normal(k[2], (v,), jnp.float32)
-    labels = jax.random.randint(k[3], (t,), 0, v)
-    labels = jnp.where(jax.random.uniform(k[4], (t,)) < ignored, ignore_index, labels)
-    if lead is not None:
-        h, labels = h.reshape(*lead, d), labels.reshape(lead)
-    return h.astype(dtype), w.astype(dtype), b.astype(dtype), labels
-
-
-def reference(
-    h,
-    w,
-    labels,
+def draw(
+    t=T,
+    d=HIDDEN,
+    v=V,
+    dtype="float32",
     *,
-    bias=None,
-    transpose_weight=False,
+    transpose=False,
+    ignored=0.2,
     ignore_index=IGNORE,
-    reduction="mean",
-    label_smoothing=0.0,
-    z_loss=0.0,
-    logit_softcap=None,
-    return_lse=False,
+    tag=(),
 ):
-    """cross_entropy(h @ W + bias) in float64 (call it under jax.enable_x64)."""
-    h, w = jnp.asarray(h, jnp.float64), jnp.asarray(w, jnp.float64)
-    x = h @ (w.T if transpose_weight else w)
-    if bias is not None:
-        x = x + jnp.asarray(bias, jnp.float64)
-    if logit_softcap is not None:
-        x = logit_softcap * jnp.tanh(x / logit_softcap)
-    v = x.shape[-1]
-    lse = jax.nn.logsumexp(x, axis=-1)
-    target = jnp.take_along_axis(x, jnp.clip(labels, 0, v - 1)[..., None], -1)[..., 0]
-    loss = lse - (1 - label_smoothing) * target - label_smoothing * jnp.mean(x, -1)
-    loss = loss + z_loss * lse**2
-    inside = (labels >= 0) & (labels < v)
-    loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
-    if reduction != "none":
-        loss = jnp.sum(loss)
-        if reduction == "mean":
-            loss = loss / jnp.sum(labels != ignore_index)
-    return (loss, lse) if return_lse else loss
+    """h (t, d); a weight (d, v), or (v, d) with ``transpose``, giving logits of about unit
+    size; a bias; labels with about a fraction ``ignored`` of them ``ignore_index``; the
+    cotangents of the per-row losses and of lse."""
+    keys = jax.random.split(key_for("lce", t, d, v, dtype, transpose, *tag), 6)
+    h = jax.random.normal(keys[0], (t, d), jnp.float32)
+    w = (2.0 / np.sqrt(d)) * jax.random.normal(keys[1], (v, d) if transpose else (d, v))
+    bias = 0.5 * jax.random.normal(keys[2], (v,))
+    labels = jax.random.randint(keys[3], (t,), 0, v)
+    labels = jnp.where(jax.random.uniform(keys[4], (t,)) < ignored, ignore_index, labels)
+    g = jax.random.normal(keys[5], (2, t), jnp.float32)
+    return h.astype(dtype), w.astype(dtype), bias.astype(dtype), labels, g[0], 0.1 * g[1]
 
 
-def fused(chunk, **fixed):
-    """linear_cross_entropy in chunks of ``chunk`` rows."""
-    return functools.partial(quack_jax.linear_cross_entropy, chunk_size=chunk, **fixed)
+def loss_and_grads(wrt=ALL, remat=False, **opts):
+    """(h, w, bias, labels, g, g_lse) -> (out, grads): linear_cross_entropy with ``opts``,
+    and the gradients (a dict) of the arguments in ``wrt`` for the cotangents g of the
+    per-row losses (SCALE of a "sum" or "mean") and g_lse of lse. float32 GEMMs run at
+    precision "highest" unless ``opts`` say (the GPU's default is TF32)."""
+    per_row = opts.get("reduction", "mean") == "none"
+    with_lse = opts.get("return_lse", False)
 
+    def f(h, w, bias, labels, g, g_lse):
+        given = dict(h=h, weight=w, bias=bias)
+        precision = opts.get("precision", "highest" if h.dtype == jnp.float32 else None)
 
-def unfused(h, w, labels, bias=None, **options):
-    """quack_jax.cross_entropy of the full logits."""
-    logits = h @ w if bias is None else h @ w + bias
-    return quack_jax.cross_entropy(logits, labels, **options)
+        def op(*args):
+            x = given | dict(zip(wrt, args, strict=True))
+            return quack_jax.linear_cross_entropy(
+                x["h"], x["weight"], labels, bias=x["bias"], **{**opts, "precision": precision}
+            )
 
-
-def objective(fn, labels, seed=9, **options):
-    """f(h, w, b=None) -> a scalar of ``fn(h, w, labels, bias=b, **options)`` (the op or a
-    reference): for "none" a weighted sum of the rows, else 1.5 times the loss (so no
-    cotangent is 1); plus a weighted sum of lse with ``return_lse``."""
-    k1, k2 = jax.random.split(jax.random.key(seed))
-    row_w = jax.random.uniform(k1, labels.shape, jnp.float32, 0.2, 2.0)
-    lse_w = jax.random.normal(k2, labels.shape, jnp.float32)
-
-    def f(h, w, b=None):
-        out = fn(h, w, labels, bias=b, **options)
-        loss, lse = out if options.get("return_lse") else (out, None)
-        if options.get("reduction", "mean") == "none":
-            loss = jnp.sum(loss * row_w.astype(loss.dtype))
-        else:
-            loss = 1.5 * loss
-        return loss if lse is None else loss + jnp.sum(lse * lse_w.astype(lse.dtype))
+        out, vjp = jax.vjp(jax.checkpoint(op) if remat else op, *(given[k] for k in wrt))
+        loss = out[0] if with_lse else out
+        ct = (g if per_row else jnp.full_like(loss, SCALE)).astype(loss.dtype)
+        grads = vjp((ct, g_lse.astype(loss.dtype)) if with_lse else ct)
+        return out, dict(zip(wrt, grads, strict=True))
 
     return f
 
 
-def values_and_grads(fn, h, w, b, labels, jit=True, **options):
-    """fn's output, the objective and its gradients of (h, w), and b unless it is None;
-    under jit unless ``jit`` is False."""
-    args = (h, w) if b is None else (h, w, b)
-
-    def run(*args):
-        f = jax.value_and_grad(objective(fn, labels, **options), tuple(range(len(args))))
-        bias = args[2] if len(args) == 3 else None
-        return fn(*args[:2], labels, bias=bias, **options), *f(*args)
-
-    return (jax.jit(run) if jit else run)(*args)
+def launches(t, opts, passes=None):
+    """The kernels loss_and_grads launches on t rows: a pass over the chunks launches one
+    for the first chunk and one in the loop over the others; a "sum" or "mean" loss takes
+    one pass (its gradients come from the forward), per-row losses (or lse) two."""
+    if passes is None:
+        passes = 2 if opts.get("reduction", "mean") == "none" or opts.get("return_lse") else 1
+    chunks = -(-t // (opts.get("chunk_size") or max(t, 1)))
+    return passes * min(chunks, 2)
 
 
-def assert_close(out, ref, dtype, what=""):
-    """Within TOL of the reference's largest finite magnitude; NaN and inf where the
-    reference has them."""
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape, what
-    finite = ref[np.isfinite(ref)]
-    mag = float(np.max(np.abs(finite))) if finite.size else 1.0
-    np.testing.assert_allclose(out, ref, rtol=TOL[dtype], atol=TOL[dtype] * mag, err_msg=what)
+def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
+    """float64 (out, grads) as loss_and_grads gives them (numpy), and the magnitude of the
+    terms of each result (a dict: loss, lse, h, weight, bias).
+
+    The logits are rounded as the GEMM makes them, to ``logits_dtype`` (h's by default),
+    after the bias too; the gradient of the logits is rounded to h's dtype, as the op
+    hands it to the backward GEMMs. Where the GEMM rounds a logit the other way (one
+    unit, u), a result moves by its derivative times u: the magnitudes allow for that.
+    As in cross_entropy: an ignored row's loss is 0, a label outside [0, V) gives a NaN
+    loss and, where its loss has a cotangent, a NaN gradient row; a row whose loss and
+    lse have no cotangent has no gradient (whatever its logits)."""
+    dtype, zdtype = np.dtype(h.dtype), np.dtype(logits_dtype or h.dtype)
+    loss_tol = TOL["float64" if zdtype == np.float64 else "float32"]
+    reduction, with_lse = opts.get("reduction", "mean"), opts.get("return_lse", False)
+    s, zl, cap = (opts.get(k) or 0.0 for k in ("label_smoothing", "z_loss", "logit_softcap"))
+    transpose, lead = opts.get("transpose_weight", False), np.shape(labels)
+
+    def f64(a):
+        return np.asarray(a, np.float64)
+
+    def rounded(x, d):
+        return x.astype(d).astype(np.float64)
+
+    with np.errstate(all="ignore"):
+        h64 = f64(h).reshape(-1, h.shape[-1])
+        wt = f64(w).T if transpose else f64(w)  # (d, V)
+        y = np.asarray(labels).reshape(-1)
+        z = rounded(h64 @ wt, zdtype)
+        if bias is not None:
+            z = rounded(z + f64(bias), zdtype)
+        v = z.shape[-1]
+        ignored = y == opts.get("ignore_index", IGNORE)
+        outside = ~ignored & ((y < 0) | (y >= v))
+        share = 1.0 / np.sum(~ignored) if reduction == "mean" else 1.0
+        gl = f64(g).reshape(-1) if reduction == "none" else np.full(y.shape, SCALE * share)
+        gl = np.where(ignored, 0.0, gl)  # the cotangents of the rows' losses and lse
+        gs = f64(g_lse).reshape(-1) if with_lse else np.zeros(y.shape)
+
+        x = cap * np.tanh(z / cap) if cap else z
+        top = np.max(x, -1, keepdims=True)
+        top = np.where(np.isfinite(top), top, 0.0)
+        lse = np.log(np.sum(np.exp(x - top), -1)) + top[:, 0]
+        p = np.exp(x - lse[:, None])
+        hit = np.arange(v) == y[:, None]
+        target = np.sum(np.where(hit, x, 0.0), -1)
+        loss = lse - (1 - s) * target
+        if s:
+            loss = loss - s * np.mean(x, -1)
+        if zl:
+            loss = loss + zl * lse**2
+        loss = np.where(ignored, 0.0, np.where(outside, np.nan, loss))
+
+        # the gradient of sum(gl * loss + gs * lse) with respect to the logits
+        a = gs + np.where(gl == 0, 0.0, gl * (1 + 2 * zl * lse))
+        slope = 1 - (x / cap) ** 2 if cap else 1.0
+        dz = a[:, None] * p - (gl * (1 - s))[:, None] * hit - (gl * s / v)[:, None]
+        dz = dz * slope
+        dz[(gl == 0) & (gs == 0)] = 0.0
+        dz[outside & (gl != 0)] = np.nan
+        dz = rounded(dz, dtype)
+        value = loss.reshape(lead) if reduction == "none" else np.sum(loss) * share
+        dw = h64.T @ dz
+        grads = {
+            "h": (dz @ wt.T).reshape(h.shape),
+            "weight": dw.T if transpose else dw,
+            "bias": np.sum(dz, 0),
+        }
+
+        # magnitudes: the terms of each result, and how far a logit's rounding moves it
+        u = np.abs(z) * float(jnp.finfo(zdtype).eps)
+        big = 1 + 2 * zl * np.abs(lse)
+        dloss = (big[:, None] * p + (1 - s) * hit + s / v) * np.abs(slope)
+        row = np.abs(lse) + np.abs(target) + s * np.mean(np.abs(x), -1) + zl * lse**2 + 1
+        row = row + np.sum(dloss * u, -1) / loss_tol
+        moved = (np.abs(gl) * big + np.abs(gs))[:, None] * p
+        moved = moved * (u + np.sum(p * u, -1, keepdims=True))
+        adz = np.abs(dz) + moved / TOL[dtype.name]
+        adw = np.abs(h64).T @ adz
+        mags = {
+            "loss": row.reshape(lead)
+            if reduction == "none"
+            else np.sum(np.where(ignored, 0.0, row)) * share,
+            "lse": (np.abs(lse) + 1 + np.sum(p * np.abs(slope) * u, -1) / loss_tol).reshape(lead),
+            "h": (adz @ np.abs(wt).T).reshape(h.shape),
+            "weight": adw.T if transpose else adw,
+            "bias": np.sum(adz, 0),
+        }
+        mags = {k: np.where(np.isfinite(m), m, 0.0) for k, m in mags.items()}
+    out = (value, lse.reshape(lead)) if with_lse else value
+    return out, grads, mags
 
 
-def check_against_reference(
-    h, w, b, labels, dtype, chunk_size=None, precision=None, jit=True, **options
-):
-    """Values and gradients of linear_cross_entropy (under jit unless ``jit`` is False)
-    against the float64 reference, with the cross-entropy ``options``; returns the op's
-    output and gradients."""
-    ours = fused(chunk_size, precision=precision)
-    out, value, grads = values_and_grads(ours, h, w, b, labels, jit=jit, **options)
-    with jax.enable_x64(True):
-        args = [None if a is None else jnp.asarray(a, jnp.float64) for a in (h, w, b)]
-        ref_out, ref_value, ref_grads = values_and_grads(reference, *args, labels, **options)
-    loss_dtype = jnp.promote_types(h.dtype, jnp.float32)
-    for o, r, name in zip(
-        jax.tree.leaves(out), jax.tree.leaves(ref_out), ("loss", "lse"), strict=False
-    ):
-        assert o.dtype == loss_dtype, name
-        assert_close(o, r, dtype, name)
-    assert_close(value, ref_value, dtype, "objective")
-    for g, r, a, name in zip(grads, ref_grads, (h, w, b), ("dh", "dweight", "dbias"), strict=False):
-        assert g.dtype == a.dtype and g.shape == a.shape, name
-        assert_close(g.astype(jnp.float32), r, dtype, name)
+def assert_matches(out, grads, args, opts, logits_dtype=None):
+    """out and grads (of loss_and_grads at ``args``) equal the reference's: dtypes,
+    shapes, values."""
+    h, w, bias = args[:3]
+    ref_out, ref_grads, mags = reference(*args, opts, logits_dtype)
+    loss_dtype = "float64" if jnp.dtype(logits_dtype or h.dtype) == jnp.float64 else "float32"
+    with_lse = opts.get("return_lse", False)
+    outs, refs = (out, ref_out) if with_lse else ((out,), (ref_out,))
+    for name, o, r in zip(("loss", "lse")[: len(outs)], outs, refs, strict=True):
+        assert o.dtype == loss_dtype and o.shape == r.shape, (name, o.dtype, o.shape)
+        o, r, m = (jnp.atleast_1d(a) for a in (o, r, mags[name]))
+        assert_close(o, r, m, loss_dtype, name)
+    for k, grad in grads.items():
+        x = dict(h=h, weight=w, bias=bias)[k]
+        if x is None:
+            assert grad is None, k
+            continue
+        assert grad.dtype == x.dtype and grad.shape == x.shape, (k, grad.dtype, grad.shape)
+        # float64 gradients: the op's GEMMs and sums accumulate in float32
+        tol = "float32" if x.dtype == jnp.float64 else x.dtype.name
+        assert_close(grad, ref_grads[k], mags[k], tol, f"d{k}")
+
+
+def compare(backend, opts, *args, wrt=ALL, jit=True, count=None, logits_dtype=None):
+    """loss_and_grads against the reference, compiled (launching ``count`` kernels on the
+    GPU; by default ``launches``) or eagerly; returns (out, grads)."""
+    f = loss_and_grads(wrt, **opts)
+    if jit:
+        count = launches(args[3].size, opts) if count is None else count
+        out, grads = run(backend, f, *args, launches=count)
+    else:
+        out, grads = f(*args)
+    assert_matches(out, grads, args, opts, logits_dtype)
     return out, grads
 
 
-def assert_same_as_unfused(h, w, b, labels, chunk, **options):
-    """Values and gradients (h, weight, bias) equal those of cross_entropy(h @ w + b),
-    NaN and inf included; returns the op's (out, value, grads)."""
-    ours = values_and_grads(fused(chunk), h, w, b, labels, **options)
-    theirs = values_and_grads(unfused, h, w, b, labels, **options)
-    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        np.testing.assert_array_equal(np.isnan(o), np.isnan(r))
-        assert_close(o, r, "float32")
-    return ours
+def losses(out, opts):
+    return out[0] if opts.get("return_lse") else out
 
 
-# -- 1. every option against the float64 reference ---------------------------------------
+# -- 1. the grid, every option, x64 ----------------------------------------------------
+
+# (reduction, options, bias, transposed weight), in turn over the grid's cases
+MIXES = [
+    ("mean", {}, False, False),
+    ("none", dict(label_smoothing=0.1, return_lse=True), True, False),
+    ("sum", dict(z_loss=1e-3, logit_softcap=20.0), False, True),
+    ("none", dict(logit_softcap=30.0, z_loss=1e-4), True, True),
+    ("mean", dict(label_smoothing=0.05, z_loss=1e-4), True, False),
+]
+
+
+def with_mixes(params):
+    """Each (backend, T, V, dtype) with the next of MIXES on its backend."""
+    out = []
+    for i, p in enumerate(params):
+        k = sum(q.values[0] == p.values[0] for q in params[:i]) % len(MIXES)
+        out.append(pytest.param(*p.values, k, marks=p.marks, id=f"{p.id}-{k}"))
+    return out
+
+
+GRID = with_mixes(grid("linear_cross_entropy"))
+
+
+def grid_case(k):
+    """Whether the grid case of mix k has a bias, whether its weight is (V, d), and the
+    options."""
+    reduction, extra, with_bias, transpose = MIXES[k]
+    opts = dict(reduction=reduction, transpose_weight=transpose, chunk_size=CHUNK, **extra)
+    return with_bias, transpose, opts
+
+
+@pytest.mark.parametrize("backend,t,v,dtype,k", GRID)
+def test_loss_and_gradients_match_float64(backend, t, v, dtype, k):
+    """T = 300 (two whole chunks and a part) by every vocabulary of the grid, with the
+    mixes of options in turn."""
+    with_bias, transpose, opts = grid_case(k)
+    h, w, bias, *rest = draw(t, D, v, dtype, transpose=transpose)
+    compare(backend, opts, h, w, bias if with_bias else None, *rest)
+
 
 OPTIONS = [
     dict(reduction="mean"),
@@ -212,39 +311,38 @@ CASES = [pytest.param(o, "float32", id=f"float32-{_id(o)}") for o in OPTIONS] + 
 
 
 @pytest.mark.parametrize("options,dtype", CASES)
-def test_values_and_gradients_match_float64(options, dtype):
-    options = dict(options)
-    with_bias = options.pop("bias", False)
-    ignore_index = options.get("ignore_index", IGNORE)
-    h, w, b, labels = make_inputs(
-        37, 16, 100, dtype, seed=len(_id(options)), ignore_index=ignore_index
-    )
-    if options.get("transpose_weight"):
-        w = w.T
-    out, grads = check_against_reference(h, w, b if with_bias else None, labels, dtype, **options)
+@pytest.mark.parametrize("backend", backends())
+def test_every_option_matches_float64(backend, options, dtype):
+    opts = dict(options)
+    with_bias = opts.pop("bias", False)
+    ignore_index = opts.get("ignore_index", IGNORE)
+    transpose = opts.get("transpose_weight", False)
+    h, w, bias, labels, g, g_lse = draw(dtype=dtype, transpose=transpose, ignore_index=ignore_index)
+    args = (h, w, bias if with_bias else None, labels, g, g_lse)
+    out, grads = compare(backend, opts, *args)
     ignored = np.asarray(labels == ignore_index)
     assert ignored.any() and not ignored.all()
-    if options["reduction"] == "none":
-        loss = out[0] if options.get("return_lse") else out
-        assert (np.asarray(loss)[ignored] == 0).all()
-    if not options.get("return_lse"):  # ignored rows have no gradient
-        assert (np.asarray(grads[0].astype(jnp.float32))[ignored] == 0).all()
+    if opts["reduction"] == "none":
+        assert (np.asarray(losses(out, opts))[ignored] == 0).all()
+    if not opts.get("return_lse"):  # ignored rows have no gradient
+        assert (np.asarray(grads["h"].astype(jnp.float32))[ignored] == 0).all()
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_with_x64_enabled(dtype, jit):
-    """With jax_enable_x64 on, float32 inputs and float64 ones (the XLA reference) give
-    the values and gradients of h, the weight and the bias."""
+@pytest.mark.parametrize("backend", backends())
+def test_with_x64_enabled(backend, dtype, jit):
+    """With jax_enable_x64 on, float32 inputs (the kernels on the GPU) and float64 ones
+    (the XLA reference on either backend) give the values and gradients."""
     with jax.enable_x64(True):
-        h, w, b, labels = make_inputs(20, 8, 30, dtype, seed=21)
+        args = draw(dtype=dtype)
         for reduction in ("mean", "none"):
-            check_against_reference(
-                h, w, b, labels, "float32", reduction=reduction, chunk_size=8, jit=jit
-            )
+            opts = dict(reduction=reduction, chunk_size=8)
+            count = launches(T, opts) if dtype == "float32" else 0
+            compare(backend, opts, *args, jit=jit, count=count)
 
 
-# -- 2. chunks, empty and single rows, leading dims ---------------------------------------
+# -- 2. chunks, empty and single rows, leading dims --------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -260,127 +358,158 @@ def test_with_x64_enabled(dtype, jit):
         (1, 4, "none"),
     ],
 )
-def test_chunk_sizes(t, chunk, reduction):
-    h, w, b, labels = make_inputs(t, 8, 30, seed=t + (chunk or 0), ignored=0.2)
+@pytest.mark.parametrize("backend", backends())
+def test_chunk_sizes(backend, t, chunk, reduction):
+    h, w, bias, labels, g, g_lse = draw(t, tag=(chunk,))
     labels = labels.at[0].set(5)  # at least one row counted
-    check_against_reference(h, w, b, labels, "float32", reduction=reduction, chunk_size=chunk)
+    compare(backend, dict(reduction=reduction, chunk_size=chunk), h, w, bias, labels, g, g_lse)
 
 
-def test_empty_input():
+@pytest.mark.parametrize("backend", backends())
+def test_empty_input(backend):
     """No rows: "none" is empty, "sum" 0, "mean" NaN; the gradients are 0."""
-    h, w, b, labels = make_inputs(0, 8, 30)
-    assert h.shape == (0, 8)
-    rows = fused(4)(h, w, labels, reduction="none")
-    assert rows.shape == (0,) and rows.dtype == jnp.float32
-    assert fused(4)(h, w, labels, reduction="sum") == 0
-    assert np.isnan(fused(4)(h, w, labels, reduction="mean"))
-    for reduction in ("none", "sum", "mean"):
-        _, _, (dh, dw, db) = values_and_grads(fused(4), h, w, b, labels, reduction=reduction)
-        assert dh.shape == (0, 8)
-        np.testing.assert_array_equal(dw, np.zeros((8, 30)))
-        np.testing.assert_array_equal(db, np.zeros(30))
+    args = draw(0)
+    assert args[0].shape == (0, HIDDEN)
+    for reduction, want in (("none", None), ("sum", 0.0), ("mean", np.nan)):
+        opts = dict(reduction=reduction, chunk_size=4)
+        out, grads = compare(backend, opts, *args, count=0)
+        if want is None:
+            assert out.shape == (0,) and out.dtype == jnp.float32
+        else:
+            np.testing.assert_array_equal(out, want)
+        assert grads["h"].shape == (0, HIDDEN)
+        np.testing.assert_array_equal(grads["weight"], np.zeros((HIDDEN, V)))
+        np.testing.assert_array_equal(grads["bias"], np.zeros(V))
 
 
-def test_two_leading_dims():
-    h, w, b, labels = make_inputs(24, 16, 50, seed=4, lead=(4, 6))
-    assert h.shape == (4, 6, 16)
+@pytest.mark.parametrize("backend", backends())
+def test_two_leading_dims(backend):
+    h, w, bias, labels, g, g_lse = draw(24)
+    h, labels, g, g_lse = h.reshape(4, 6, HIDDEN), *(a.reshape(4, 6) for a in (labels, g, g_lse))
     for reduction in ("none", "mean"):
-        out, _ = check_against_reference(
-            h, w, b, labels, "float32", reduction=reduction, chunk_size=5
-        )
+        opts = dict(reduction=reduction, chunk_size=5)
+        out, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
         assert out.shape == ((4, 6) if reduction == "none" else ())
+        assert grads["h"].shape == (4, 6, HIDDEN)
 
 
-def test_single_row_without_leading_dim():
+@pytest.mark.parametrize("backend", backends())
+def test_single_row_without_leading_dim(backend):
     """h of shape (d,) and a scalar label."""
-    h, w, b, labels = make_inputs(1, 16, 50, seed=6, ignored=0.0)
-    out, _ = check_against_reference(h[0], w, b, labels[0], "float32", reduction="none")
+    h, w, bias, labels, g, g_lse = draw(1, ignored=0.0)
+    out, _ = compare(backend, dict(reduction="none"), h[0], w, bias, labels[0], g[0], g_lse[0])
     assert out.shape == ()
 
 
-# -- 3. ignored rows, labels out of range, NaN and inf ------------------------------------
+# -- 3. ignored rows, labels out of range, NaN and inf -----------------------------------
 
 
-def test_a_chunk_with_every_row_ignored():
-    h, w, b, labels = make_inputs(24, 16, 50, seed=7, ignored=0.0)
-    labels = labels.at[8:16].set(IGNORE)
+@pytest.mark.parametrize("backend", backends())
+def test_a_chunk_with_every_row_ignored(backend):
+    h, w, bias, labels, g, g_lse = draw(ignored=0.0)
+    labels = labels.at[8:16].set(IGNORE)  # the second of 5 chunks of 8 rows
     for reduction in ("none", "mean"):
-        _, grads = check_against_reference(
-            h, w, b, labels, "float32", reduction=reduction, chunk_size=8
-        )
-        assert (np.asarray(grads[0])[8:16] == 0).all()
+        opts = dict(reduction=reduction, chunk_size=8)
+        _, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
+        assert (np.asarray(grads["h"])[8:16] == 0).all()
 
 
 @pytest.mark.parametrize(
     "reduction,return_lse", [("none", False), ("sum", False), ("mean", False), ("mean", True)]
 )
-def test_every_row_ignored(reduction, return_lse):
+@pytest.mark.parametrize("backend", backends())
+def test_every_row_ignored(backend, reduction, return_lse):
     """ "mean" is NaN, "sum" 0, the rows 0; the loss's gradients are 0, as in
     cross_entropy."""
-    h, w, b, labels = make_inputs(20, 16, 50, seed=8)
+    h, w, bias, labels, g, g_lse = draw()
     labels = jnp.full_like(labels, IGNORE)
-    out, _, grads = assert_same_as_unfused(
-        h, w, b, labels, 8, reduction=reduction, return_lse=return_lse
-    )
-    loss = out[0] if return_lse else out
+    opts = dict(reduction=reduction, return_lse=return_lse, chunk_size=8)
+    out, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
+    loss = losses(out, opts)
     if reduction == "mean":
         assert np.isnan(loss)
     else:
         np.testing.assert_array_equal(loss, np.zeros(np.shape(loss)))
     if not return_lse:
-        for g in grads:
-            np.testing.assert_array_equal(g, np.zeros(g.shape))
+        for grad in grads.values():
+            np.testing.assert_array_equal(grad, np.zeros(grad.shape))
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
-def test_labels_out_of_range(reduction):
+@pytest.mark.parametrize("backend", backends())
+def test_labels_out_of_range(backend, reduction):
     """NaN losses for those rows, NaN gradient rows of h, an all-NaN weight gradient."""
-    h, w, b, labels = make_inputs(24, 16, 50, seed=10, ignored=0.1)
+    h, w, bias, labels, g, g_lse = draw(ignored=0.1)
     bad = np.array([3, 11, 20])
-    labels = labels.at[bad].set(jnp.array([50, -1, 10_000]))
-    out, _, (dh, dw, db) = assert_same_as_unfused(h, w, b, labels, 8, reduction=reduction)
+    labels = labels.at[bad].set(jnp.array([V, -1, 10_000]))
+    opts = dict(reduction=reduction, chunk_size=8)
+    out, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
     if reduction == "none":
         assert np.isnan(out[bad]).all()
         assert np.isfinite(np.delete(np.asarray(out), bad)).all()
     else:
         assert np.isnan(out)
-    assert np.isnan(dh[bad]).all() and np.isfinite(np.delete(np.asarray(dh), bad, 0)).all()
-    assert np.isnan(dw).all() and np.isnan(db).all()
+    dh = np.asarray(grads["h"])
+    assert np.isnan(dh[bad]).all() and np.isfinite(np.delete(dh, bad, 0)).all()
+    assert np.isnan(grads["weight"]).all() and np.isnan(grads["bias"]).all()
 
 
-def test_label_out_of_range_without_cotangent_has_finite_gradient():
+@pytest.mark.parametrize("backend", backends())
+def test_label_out_of_range_without_cotangent_has_finite_gradient(backend):
     """A row whose loss has cotangent 0 gives no NaN to the gradients, as in cross_entropy."""
-    h, w, b, labels = make_inputs(16, 16, 50, seed=11, ignored=0.0)
-    labels = labels.at[5].set(77)
-
-    def grads(fn):
-        def f(h, w, b):
-            return jnp.sum(fn(h, w, labels, bias=b, reduction="none")[:5])
-
-        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(h, w, b)
-
-    for g, r in zip(grads(fused(4)), grads(unfused), strict=True):
-        assert np.isfinite(g).all()
-        assert_close(g, r, "float32")
+    h, w, bias, labels, _, g_lse = draw(ignored=0.0)
+    labels = labels.at[5].set(V + 27)
+    g = jnp.where(jnp.arange(T) < 5, 1.0, 0.0)
+    _, grads = compare(backend, dict(reduction="none", chunk_size=4), h, w, bias, labels, g, g_lse)
+    for grad in grads.values():
+        assert np.isfinite(grad).all()
 
 
-@pytest.mark.parametrize("reduction,return_lse", [("none", False), ("mean", False), ("sum", True)])
-def test_nan_and_inf_in_h(reduction, return_lse):
-    h, w, b, labels = make_inputs(24, 16, 50, seed=12, ignored=0.0)
-    labels = labels.at[17].set(IGNORE)
-    h = h.at[2, 3].set(jnp.nan).at[9, 0].set(jnp.inf).at[14, 5].set(-jnp.inf)
-    h = h.at[17, 1].set(jnp.nan)  # an ignored NaN row
-    out, *_ = assert_same_as_unfused(h, w, b, labels, 8, reduction=reduction, return_lse=return_lse)
-    loss = out[0] if return_lse else out
+# NaN, +inf and -inf in h, an ignored row of NaN, a row of zeros, labels out of range,
+# and a chunk of ignored rows (8-15, the second of 5 chunks of 8); a vocabulary the
+# kernels split across a cluster of CTAs
+SPECIAL_V = dict(cpu=V, gpu=50257)
+
+
+def special_inputs(v, dtype):
+    h, w, _, labels, g, g_lse = draw(v=v, dtype=dtype)
+    h = h.at[1, 3].set(jnp.nan).at[2, 0].set(jnp.inf).at[20, 5].set(-jnp.inf)
+    h = h.at[5].set(0.0).at[10, 1].set(jnp.nan)
+    labels = labels.at[jnp.array([1, 2, 20])].set(7).at[8:16].set(IGNORE)
+    return h, w, None, labels.at[3].set(v).at[4].set(-1), g, g_lse
+
+
+@pytest.mark.parametrize("reduction,return_lse", [("none", True), ("mean", False), ("sum", True)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", backends())
+def test_special_values(backend, dtype, reduction, return_lse):
+    """NaN and inf where the reference has them, the rest close."""
+    args = special_inputs(SPECIAL_V[backend], dtype)
+    opts = dict(reduction=reduction, return_lse=return_lse, chunk_size=8)
+    out, _ = compare(backend, opts, *args)
+    loss = losses(out, opts)
     assert np.isnan(loss).any()
     if reduction == "none":
-        assert np.isnan(loss[2]) and loss[17] == 0
+        assert np.isnan(loss[1]) and loss[10] == 0 and np.isnan(loss[3:5]).all()
     if return_lse:
         lse = np.asarray(out[1])
-        assert np.isnan(lse[[2, 17]]).all() and lse[9] == lse[14] == np.inf
+        assert np.isnan(lse[[1, 10]]).all() and lse[2] == lse[20] == np.inf
 
 
-# -- 4. memory ----------------------------------------------------------------------------
+# -- 4. memory ---------------------------------------------------------------------------
+
+
+def fused(chunk, **fixed):
+    """linear_cross_entropy in chunks of ``chunk`` rows."""
+    return functools.partial(quack_jax.linear_cross_entropy, chunk_size=chunk, **fixed)
+
+
+def unfused(h, w, labels):
+    """quack_jax.cross_entropy of the full logits."""
+    return quack_jax.cross_entropy(h @ w, labels)
+
+
+MEMORY_V = 32000  # a vocabulary of the grid
 
 
 def compiled_bytes(fn, t, d, v):
@@ -395,23 +524,56 @@ def compiled_bytes(fn, t, d, v):
     return memory.temp_size_in_bytes + memory.output_size_in_bytes
 
 
-def test_memory_is_below_the_unfused_loss_by_the_logits():
+@pytest.mark.parametrize("backend", backends())
+def test_memory_is_below_the_unfused_loss_by_the_logits(backend):
     """The compiled value_and_grad needs at least the full logits less one chunk's
     logits fewer bytes than the unfused loss."""
-    t, d, v, chunk = 4096, 64, 8192, 512
+    t, d, v, chunk = 4096, 64, MEMORY_V, 512
     ours, theirs = compiled_bytes(fused(chunk), t, d, v), compiled_bytes(unfused, t, d, v)
     assert ours <= theirs - (t * v * 2 - chunk * v * 2), (ours, theirs)
 
 
-def test_a_last_chunk_that_overlaps_costs_no_memory():
+@pytest.mark.parametrize("backend", backends())
+def test_a_last_chunk_that_overlaps_costs_no_memory(backend):
     """4001 rows in chunks of at most 512 go as 8 of 501 rows, the last one overlapping
     the one before it; that needs no more memory than 4008 rows in 8 chunks of 501."""
-    d, v = 64, 8192
+    d, v = 64, MEMORY_V
     overlapping = compiled_bytes(fused(512), 4001, d, v)
     assert overlapping <= compiled_bytes(fused(501), 4008, d, v)
 
 
-# -- 5. sharded on 8 host devices ---------------------------------------------------------
+def inplace_case(dtype, transpose):
+    """The in-place test's value_and_grad and its arguments (shape-dtype structs)."""
+    t, d, v, chunk = 4096, 256, 128256, 1024
+    h = jax.ShapeDtypeStruct((t, d), dtype)
+    w = jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype)
+    labels = jax.ShapeDtypeStruct((t,), jnp.int32)
+    loss = fused(chunk, transpose_weight=transpose)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (h, w, labels), (t, d, v, chunk)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("backend", backends("gpu"))
+def test_logits_are_overwritten_in_place(backend, dtype, transpose):
+    """The compiled value_and_grad aliases the gradient kernel's output to its logits,
+    holds no second (chunk, V) buffer, and makes no transposed copy of the weight."""
+    f, args, (t, d, v, chunk) = inplace_case(dtype, transpose)
+    e = np.dtype(dtype).itemsize
+    compiled = jax.jit(f).lower(*args).compile()
+    text = compiled.as_text()
+    kernels = [line for line in text.splitlines() if f'custom_call_target="{_ffi.TARGET}"' in line]
+    assert kernels and all("output_to_operand_aliasing={{2}: (0, {})}" in x for x in kernels)
+    chunk_bytes, dw_bytes, dh_bytes = chunk * v * e, d * v * 4, t * d * e
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < dw_bytes + dh_bytes + 1.5 * chunk_bytes, (temp, chunk_bytes, dw_bytes)
+    for op in ("transpose", "copy"):
+        for shape in (f"[{v},{d}]", f"[{d},{v}]"):
+            pattern = rf"{'bf16' if dtype == 'bfloat16' else 'f32'}{re.escape(shape)}\S* {op}\("
+            assert not re.search(pattern, text), f"a {op} of the weight: {pattern}"
+
+
+# -- 5. sharded on 8 host devices (CPU) ---------------------------------------------------
 
 GATHERS = ("all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 DATA_MODEL = ((2, 4), ("data", "model"))
@@ -469,149 +631,142 @@ SHARDED_CASES = [
 
 
 @pytest.mark.parametrize("layout,option,axis_type", SHARDED_CASES)
-def test_sharded_matches_unsharded_without_gathering(layout, option, axis_type):
+def test_sharded_matches_float64_without_gathering(layout, option, axis_type):
     shape, axes, h_spec, w_spec, transpose = LAYOUTS[layout]
-    options = SHARDED_OPTIONS[option]
     mesh = jax.make_mesh(
         shape, axes, axis_types=(axis_type,) * len(axes), devices=jax.devices("cpu")[:8]
     )
-    t, d, v, chunk = 64, 16, 200, 12
-    h, w, b, labels = make_inputs(t, d, v, seed=13, ignored=0.1)
-    if transpose:
-        w = w.T
+    t, d, v, chunk = 64, HIDDEN, V, 12
+    opts = dict(SHARDED_OPTIONS[option], transpose_weight=transpose, chunk_size=chunk)
+    args = draw(t, d, v, transpose=transpose, ignored=0.1)
     vocab_axis = w_spec[0 if transpose else 1] if len(w_spec) else None
     row_axis = h_spec[0] if len(h_spec) else None
-    specs = (h_spec, w_spec, PartitionSpec(vocab_axis), PartitionSpec(row_axis))
-    args = (h, w, b, labels)
+    rows = PartitionSpec(row_axis)
+    specs = (h_spec, w_spec, PartitionSpec(vocab_axis), rows, rows, rows)
     sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs, strict=True)]
-
-    def loss(h, w, b, labels):
-        return objective(fused(chunk, transpose_weight=transpose), labels, **options)(h, w, b)
-
-    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    f = jax.jit(loss_and_grads(**opts))
     text = f.lower(*sharded).compile().as_text()
     assert not [c for c in GATHERS if c in text], layout
     local_rows = t // (mesh.shape[row_axis] if row_axis else 1)
     v_local = v // (mesh.shape[vocab_axis] if vocab_axis else 1)
     assert count_all_reduces_of_no_logits(text, t, d, v_local, min(chunk, local_rows)) > 0
-    (value, grads), (ref, ref_grads) = f(*sharded), f(*args)
-    assert_close(value, ref, "float32", "value")
-    for g, r, x, name in zip(grads, ref_grads, sharded, ("dh", "dweight", "dbias"), strict=False):
-        assert_close(g, r, "float32", name)
-        assert g.sharding.is_equivalent_to(x.sharding, g.ndim), name
+    out, grads = f(*sharded)
+    assert_matches(out, grads, args, opts)
+    for k, x in zip(ALL, sharded, strict=False):
+        assert grads[k].sharding.is_equivalent_to(x.sharding, x.ndim), k
 
 
-@pytest.mark.parametrize("what", ["per-row-losses", "sum-and-gradients"])
-def test_inside_shard_map(what):
-    """Rows split over 8 devices inside shard_map, the weight and bias replicated:
-    per-row losses, or a summed loss and its gradients (those of the weight and bias
-    summed over the devices), as cross_entropy of the full logits gives them."""
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_inside_shard_map(reduction):
+    """Rows split over 8 devices inside shard_map, the weight and bias replicated: the
+    per-row losses, or the sum of the devices' sums, and the gradients (of the weight and
+    bias, replicated, summed over the devices by shard_map) are those of the whole batch."""
     mesh = jax.make_mesh((8,), ("d",), devices=jax.devices("cpu")[:8])
     rows, whole = PartitionSpec("d"), PartitionSpec()
-    h, w, b, labels = make_inputs(64, 16, 96, seed=22)
-    hs, ls = (jax.device_put(x, NamedSharding(mesh, rows)) for x in (h, labels))
+    opts = dict(reduction=reduction, chunk_size=3)
+    args = draw(64)
 
-    def per_device(fn, h, w, b, labels):
-        if what == "per-row-losses":
-            return fn(h, w, labels, bias=b, reduction="none")
-        f = objective(fn, labels, reduction="sum")
-        value, (dh, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, b)
-        return jax.lax.psum((value, dw, db), "d"), dh
+    def per_device(*args):
+        out, grads = loss_and_grads(**opts)(*args)
+        return (out if reduction == "none" else jax.lax.psum(out, "d")), grads
 
-    out_specs = rows if what == "per-row-losses" else ((whole, whole, whole), rows)
-    ours, theirs = (
-        jax.jit(
-            jax.shard_map(
-                functools.partial(per_device, fn),
-                mesh=mesh,
-                in_specs=(rows, whole, whole, rows),
-                out_specs=out_specs,
-            )
-        )(hs, w, b, ls)
-        for fn in (fused(3), unfused)
-    )
-    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        assert_close(o, r, "float32")
+    specs = (rows, whole, whole, rows, rows, rows)
+    out_specs = (rows if reduction == "none" else whole, dict(h=rows, weight=whole, bias=whole))
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=specs, out_specs=out_specs)
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs, strict=True)]
+    out, grads = jax.jit(f)(*sharded)
+    assert_matches(out, grads, args, opts)
 
 
-# -- 6. checkpoint, scan, vmap -------------------------------------------------------------
+# -- 6. checkpoint, scan, vmap ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_under_checkpoint(reduction):
-    h, w, b, labels = make_inputs(37, 16, 60, seed=14)
-    grads = []
-    for fn in (fused(8), unfused):
-        f = jax.checkpoint(objective(fn, labels, reduction=reduction))
-        grads.append(jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(h, w, b))
-    for o, r in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1]), strict=True):
-        assert_close(o, r, "float32")
+@pytest.mark.parametrize("backend", backends())
+def test_under_checkpoint(backend, reduction):
+    """Under jax.checkpoint (the forward runs again in the backward). How many launches
+    the lowered program holds depends on whether JAX outlines the two forward loops as
+    one function, so only that the GPU launches kernels and the CPU none is checked."""
+    args = draw()
+    opts = dict(reduction=reduction, chunk_size=8)
+    lowered = jax.jit(loss_and_grads(remat=True, **opts)).lower(*args)
+    kernels = lowered.as_text().count(f"custom_call @{_ffi.TARGET}")
+    assert (kernels > 0) == (backend == "gpu"), kernels
+    out, grads = lowered.compile()(*args)
+    assert_matches(out, grads, args, opts)
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_inside_scan_over_microbatches(reduction):
+@pytest.mark.parametrize("backend", backends())
+def test_inside_scan_over_microbatches(backend, reduction):
     """A scan over 3 microbatches that accumulates the loss and the weight and bias
     gradients, and stacks the gradients of h."""
-    h, w, b, labels = make_inputs(3 * 20, 16, 60, seed=15, lead=(3, 20))
+    opts = dict(reduction=reduction, chunk_size=7)
+    batches = [draw(tag=(i,)) for i in range(3)]
+    w, bias = batches[0][1:3]
+    stacked = [jnp.stack([b[i] for b in batches]) for i in (0, 3, 4, 5)]
 
-    def train(fn):
+    def train(h, w, bias, labels, g, g_lse):
         def body(carry, batch):
-            hb, lb = batch
-            f = objective(fn, lb, reduction=reduction)
-            value, (dh, dw, db) = jax.value_and_grad(f, argnums=(0, 1, 2))(hb, w, b)
-            loss, gw, gb = carry
-            return (loss + value, gw + dw, gb + db), dh
+            hb, lb, gb, gl = batch
+            out, grads = loss_and_grads(**opts)(hb, w, bias, lb, gb, gl)
+            loss, dw, db = carry
+            return (loss + jnp.sum(out), dw + grads["weight"], db + grads["bias"]), grads["h"]
 
-        zero = (jnp.zeros(()), jnp.zeros_like(w), jnp.zeros_like(b))
-        return jax.jit(lambda h, labels: jax.lax.scan(body, zero, (h, labels)))(h, labels)
+        zero = (jnp.zeros(()), jnp.zeros(w.shape), jnp.zeros(bias.shape))
+        return jax.lax.scan(body, zero, (h, labels, g, g_lse))
 
-    ours, theirs = train(fused(7)), train(unfused)
-    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        assert_close(o, r, "float32")
+    (loss, dw, db), dh = run(
+        backend, train, stacked[0], w, bias, *stacked[1:], launches=launches(T, opts)
+    )
+    refs = [reference(b[0], w, bias, *b[3:], opts) for b in batches]
+    for k, got in (("loss", jnp.reshape(loss, 1)), ("weight", dw), ("bias", db)):
+        want = sum(np.sum(r[0]) if k == "loss" else r[1][k] for r in refs)
+        mag = sum(np.sum(r[2][k]) if k == "loss" else r[2][k] for r in refs)
+        assert_close(got, np.reshape(want, got.shape), np.reshape(mag, got.shape), "float32", k)
+    want, mag = (np.stack([r[i]["h"] for r in refs]) for i in (1, 2))
+    assert_close(dh, want, mag, "float32", "dh")
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_vmap_over_examples(reduction):
-    """A batch of (h, labels) with the weight shared: the losses, the gradients of h,
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_over_examples(backend, reduction):
+    """A batch of (h, labels) with the weight shared: the losses and the gradients of h,
     per-example gradients of the weight, and both."""
-    h, w, _, labels = make_inputs(4 * 13, 16, 60, seed=16, lead=(4, 13))
+    opts = dict(reduction=reduction, chunk_size=5)
+    examples = [draw(tag=(i,)) for i in range(4)]
+    w = examples[0][1]
+    h, labels, g, g_lse = (jnp.stack([e[i] for e in examples]) for i in (0, 3, 4, 5))
+    wrts = (("h",), ("weight",), ("h", "weight"))
 
-    def results(fn):
-        def loss(h, w, labels):
-            return objective(fn, labels, reduction=reduction)(h, w)
+    def batched(h, w, labels, g, g_lse):
+        axes = (0, None, None, 0, 0, 0)
+        return [
+            jax.vmap(loss_and_grads(wrt, **opts), in_axes=axes)(h, w, None, labels, g, g_lse)
+            for wrt in wrts
+        ]
 
-        def batched(h, w, labels):
-            values = jax.vmap(lambda h, y: fn(h, w, y, reduction=reduction))(h, labels)
-            shared = dict(in_axes=(0, None, 0))
-            dh = jax.vmap(jax.grad(loss), **shared)(h, w, labels)
-            dw = jax.vmap(jax.grad(loss, argnums=1), **shared)(h, w, labels)
-            both = jax.vmap(jax.grad(loss, argnums=(0, 1)), **shared)(h, w, labels)
-            return values, dh, dw, both
-
-        return jax.jit(batched)(h, w, labels)
-
-    ours, theirs = results(fused(5)), results(unfused)
-    assert ours[2].shape == (4, 16, 60)
-    for o, r in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        assert_close(o, r, "float32")
+    results = run(backend, batched, h, w, labels, g, g_lse, launches=3 * launches(T, opts))
+    assert results[1][1]["weight"].shape == (4, HIDDEN, V)
+    for i, e in enumerate(examples):
+        for out, grads in results:
+            ith = {k: grad[i] for k, grad in grads.items()}
+            assert_matches(out[i], ith, (e[0], w, None, *e[3:]), opts)
 
 
-# -- 7. the gradient of h alone, or of the weight alone -------------------------------------
+# -- 7. the gradient of h alone, or of the weight alone ------------------------------------
 
 
 @pytest.mark.parametrize("reduction", ["none", "sum"])
 @pytest.mark.parametrize("wrt", ["h", "weight"])
-def test_gradient_of_one_argument(wrt, reduction):
-    h, w, b, labels = make_inputs(37, 16, 60, seed=17)
-    argnum = {"h": 0, "weight": 1}[wrt]
-
-    def grad(fn):
-        f = objective(fn, labels, reduction=reduction)
-        return jax.grad(lambda h, w: f(h, w, b), argnums=argnum)
-
-    assert_close(jax.jit(grad(fused(8)))(h, w), grad(unfused)(h, w), "float32")
+@pytest.mark.parametrize("backend", backends())
+def test_gradient_of_one_argument(backend, wrt, reduction):
+    args = draw()
+    opts = dict(reduction=reduction, chunk_size=8)
+    compare(backend, opts, *args, wrt=(wrt,))
     # the op is asked for that gradient only
-    made = re.findall(r"needs=Needs\((.*?)\)", str(jax.make_jaxpr(grad(fused(8)))(h, w)))
+    jaxpr = str(jax.make_jaxpr(loss_and_grads((wrt,), **opts))(*args))
+    made = re.findall(r"needs=Needs\((.*?)\)", jaxpr)
     want = "h=True, weight=False, bias=False" if wrt == "h" else "h=False, weight=True, bias=False"
     assert want in made and all("True" not in m or m == want for m in made), made
 
@@ -620,52 +775,36 @@ def test_gradient_of_one_argument(wrt, reduction):
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-def test_float32_logits_from_bfloat16(reduction):
-    """Equal to cross_entropy(jnp.dot(h, W, preferred_element_type=float32)): the values
-    to float32 rounding (bfloat16 logits would be off by ~1e-2), the gradients to
-    bfloat16 rounding (dlogits go to the backward GEMMs in h's dtype)."""
-    h, w, _, labels = make_inputs(37, 32, 90, "bfloat16", seed=18)
-
-    def logits_f32(h, w, labels, bias=None, **options):
-        logits = jnp.dot(h, w, preferred_element_type=jnp.float32)
-        return quack_jax.cross_entropy(logits, labels, **options)
-
-    ours = fused(8, preferred_element_type=jnp.float32)
-    out, value, (dh, dw) = values_and_grads(ours, h, w, None, labels, reduction=reduction)
-    ref, ref_value, (rdh, rdw) = values_and_grads(
-        logits_f32, h, w, None, labels, reduction=reduction
-    )
-    assert_close(out, ref, "float32", "loss")
-    assert_close(value, ref_value, "float32", "objective")
-    assert dh.dtype == dw.dtype == jnp.bfloat16
-    assert_close(dh.astype(jnp.float32), rdh.astype(jnp.float32), "bfloat16", "dh")
-    assert_close(dw.astype(jnp.float32), rdw.astype(jnp.float32), "bfloat16", "dweight")
+@pytest.mark.parametrize("backend", backends())
+def test_float32_logits_from_bfloat16(backend, reduction):
+    """float32 logits of bfloat16 inputs: the values to float32 rounding (bfloat16 logits
+    would be off by ~1e-2), the gradients to bfloat16 rounding (dlogits go to the
+    backward GEMMs in h's dtype)."""
+    args = draw(dtype="bfloat16")
+    opts = dict(reduction=reduction, chunk_size=8, preferred_element_type=jnp.float32)
+    compare(backend, opts, *args, logits_dtype="float32")
 
 
-def test_float64_logits_without_x64():
+@pytest.mark.parametrize("backend", backends())
+def test_float64_logits_without_x64(backend):
     """preferred_element_type=float64 with x64 off: refused naming the argument, or the
-    loss of the logits jnp.dot makes with it (float32)."""
-    h, w, _, labels = make_inputs(20, 8, 30, seed=20)
+    loss of float32 logits (what jnp.dot makes with it)."""
+    args = draw()
+    opts = dict(reduction="none", chunk_size=8, preferred_element_type=jnp.float64)
     try:
-        out = fused(8, preferred_element_type=jnp.float64)(h, w, labels, reduction="none")
+        compare(backend, opts, *args, logits_dtype="float32")
     except (TypeError, ValueError) as error:
         assert "preferred_element_type" in str(error), str(error)[:500]
-    else:
-        ref = quack_jax.cross_entropy(
-            jnp.dot(h, w, preferred_element_type=jnp.float64), labels, reduction="none"
-        )
-        assert_close(out, ref, "float32")
 
 
 @pytest.mark.parametrize("precision", ["highest", (jax.lax.Precision.HIGH, "highest")], ids=str)
-def test_precision_accepted(precision):
-    h, w, b, labels = make_inputs(20, 16, 60, seed=19)
-    check_against_reference(
-        h, w, b, labels, "float32", reduction="sum", precision=precision, chunk_size=8
-    )
+@pytest.mark.parametrize("backend", backends())
+def test_precision_accepted(backend, precision):
+    args = draw()
+    compare(backend, dict(reduction="sum", precision=precision, chunk_size=8), *args)
 
 
-# -- 9. argument errors ---------------------------------------------------------------------
+# -- 9. argument errors (CPU) -----------------------------------------------------------------
 
 H, W, B = np.ones((4, 8), np.float32), np.ones((8, 30), np.float32), np.ones(30, np.float32)
 LABELS = np.zeros(4, np.int32)
@@ -710,3 +849,44 @@ def test_bad_arguments_name_the_argument(change, error, message):
     static = {k: v for k, v in args.items() if k not in traced}
     with pytest.raises(error, match=message):
         jax.jit(lambda a: quack_jax.linear_cross_entropy(**a, **static)).trace(traced)
+
+
+# -- the kernels the gpu tests launch ---------------------------------------------------------
+
+# every kernel variant: label smoothing or not, softcap or not; a "mean" loss's gradient
+# from the forward, per-row losses' forward and backward
+VARIANTS = [
+    dict(reduction=r, label_smoothing=s, logit_softcap=c)
+    for r, s, c in itertools.product(("mean", "none"), (0.0, 0.1), (None, 20.0))
+]
+
+
+def structs(t, d, v, dtype, transpose=False, with_bias=True):
+    """Shape-dtype structs of loss_and_grads' arguments."""
+    row = jax.ShapeDtypeStruct((t,), jnp.float32)
+    return (
+        jax.ShapeDtypeStruct((t, d), dtype),
+        jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype),
+        jax.ShapeDtypeStruct((v,), dtype) if with_bias else None,
+        jax.ShapeDtypeStruct((t,), jnp.int32),
+        row,
+        row,
+    )
+
+
+def prebuild_cases():
+    """(fn, shape-dtype structs) whose lowering builds every kernel the gpu tests launch:
+    the grid's cases, the in-place test's, and every kernel variant at the vocabularies
+    of the others, in float32 and bfloat16."""
+    for p in GRID:
+        backend, t, v, dtype, k = p.values
+        if backend == "gpu":
+            with_bias, transpose, opts = grid_case(k)
+            yield loss_and_grads(**opts), structs(t, D, v, dtype, transpose, with_bias)
+    for v, dtype, opts in itertools.product(
+        (V, SPECIAL_V["gpu"], MEMORY_V), ("float32", "bfloat16"), VARIANTS
+    ):
+        yield loss_and_grads(**opts), structs(8, 16, v, dtype)
+    for dtype, transpose in itertools.product(("bfloat16", "float32"), (False, True)):
+        f, args, _ = inplace_case(dtype, transpose)
+        yield f, args

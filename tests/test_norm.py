@@ -1,90 +1,145 @@
-"""rms_norm / layer_norm through the XLA fallback (CPU): values and gradients against
-float64 references, empty and float64 inputs, transforms, bad input, sharding on the 8
-host devices, and the CUDA lowering (compiled kernels, no GPU needed)."""
+"""rms_norm and layer_norm on both backends against one float64 reference: values and
+gradients (of x, the residual, weight and bias) over the SPEC's grid and for every mix of
+operands and options (weight and bias dtypes, residual, prenorm, weight_offset, eps,
+out_dtype), leading axes, special values, where eps and the residual's rounding go,
+transforms (vmap, checkpoint), empty and float64 inputs, bad input; on the CPU also
+sharding over 8 host devices, the reference's gradients against autodiff and the CUDA
+lowering (kernels compiled with CuTe-DSL, no GPU needed).
+
+The weight and bias gradients must be the same on every run. ``prebuild_cases`` lists
+the functions the gpu tests launch kernels from, for ``benchmarks/prebuild.py``.
+"""
 
 import dataclasses
+import functools
+import itertools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import BACKENDS, assert_close, backend_param, backends, grid, key_for, run
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import quack_jax
 from quack_jax import _cache, _ffi
+from quack_jax._registry import specs as op_specs
 
-RNG = np.random.default_rng()
-TOL = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
 OPS = {"rms_norm": quack_jax.rms_norm, "layer_norm": quack_jax.layer_norm}
-DTYPES = ["float32", "bfloat16", "float16"]
+EPS = 1e-5
+# Sizes at which every operand mix is tested on the GPU, in rows of MIX_ROWS.
+NORM_VARIANT_SIZES = (7, 1000, 4096, 65536)
+MIX_SIZES = {"cpu": (257,), "gpu": NORM_VARIANT_SIZES}
+MIX_ROWS = {"cpu": 3, "gpu": 1000}
+SDS = jax.ShapeDtypeStruct
 
 
-# -- references (float64 numpy, independent of quack_jax) -----------------------------
+@dataclasses.dataclass(frozen=True)
+class Mix:
+    """A call's operands and options: weight and bias dtypes ("x": x's; rms_norm takes no
+    bias), a residual, prenorm, weight_offset, eps and out_dtype (None: x's)."""
+
+    weight: str | None = None
+    bias: str | None = None
+    residual: bool = False
+    prenorm: bool = False
+    offset: float = 0.0
+    eps: float = EPS
+    out: str | None = None
+
+    def dtypes(self, op, dtype):
+        """The weight's, the bias's and y's dtypes for x of ``dtype``."""
+        weight = dtype if self.weight == "x" else self.weight
+        bias = None if op == "rms_norm" else dtype if self.bias == "x" else self.bias
+        return weight, bias, self.out or dtype
 
 
-def f64(a):
-    return None if a is None else np.asarray(a).astype(np.float64)
+MIXES = {
+    "plain": Mix(),
+    "weight_residual_prenorm": Mix(weight="x", residual=True, prenorm=True, offset=0.5),
+    "fp32_params_offset": Mix(weight="float32", bias="float32", offset=1.0),
+    "residual_fp32_out": Mix(weight="x", bias="x", residual=True, out="float32"),
+    "bias_residual_eps": Mix(bias="float32", residual=True, eps=0.5),
+    "mixed_params_prenorm_bf16_out": Mix(weight="float32", bias="x", prenorm=True, out="bfloat16"),
+    "all": Mix(
+        weight="float32",
+        bias="float32",
+        residual=True,
+        prenorm=True,
+        offset=1.0,
+        eps=1e-3,
+        out="float32",
+    ),
+}
+
+
+# -- the float64 reference ---------------------------------------------------------------
+
+
+def reference(op, h, w=None, b=None, dy=None, dh=None, *, eps, offset=0.0):
+    """float64 results of ``op`` at h (x, or x + residual rounded to x's dtype), each with
+    the magnitude of the terms that make it (what its error is judged against): a dict of
+    "y" and, given the cotangents dy (of y) and dh (of h, or None), "dx" (also the
+    residual's gradient), "dweight" and "dbias" (None without the operand) -> (value,
+    magnitude); and "xhat", "rstd". In numpy, or in jax.numpy on h's device where h is
+    a jax Array (the GPU tests' large rows)."""
+    xp = jnp if isinstance(h, jax.Array) else np
+    with jax.enable_x64(True), np.errstate(all="ignore"):
+        h, w, b, dy, dh = (
+            None if a is None else xp.asarray(a).astype(xp.float64) for a in (h, w, b, dy, dh)
+        )
+        mean = 0.0 if op == "rms_norm" else h.mean(axis=-1, keepdims=True)
+        rstd = 1.0 / xp.sqrt(((h - mean) ** 2).mean(axis=-1, keepdims=True) + eps)
+        xhat = (h - mean) * rstd
+        terms = (xp.abs(h) + xp.abs(mean)) * rstd  # the size of xhat's terms
+        scale = 1.0 if w is None else w + offset
+        y = xhat * scale + (0.0 if b is None else b)
+        y_mag = terms * xp.abs(scale) + (0.0 if b is None else xp.abs(b))
+        out = {"y": (y, y_mag), "xhat": xhat, "rstd": rstd}
+        if dy is None:
+            return out
+        g = dy * scale
+        dx = g - xhat * (g * xhat).mean(axis=-1, keepdims=True)
+        dx_mag = xp.abs(g) + terms * (xp.abs(g) * terms).mean(axis=-1, keepdims=True)
+        if op == "layer_norm":
+            dx = dx - g.mean(axis=-1, keepdims=True)
+            dx_mag = dx_mag + xp.abs(g).mean(axis=-1, keepdims=True)
+        dx, dx_mag = dx * rstd, dx_mag * rstd
+        if dh is not None:
+            dx, dx_mag = dx + dh, dx_mag + xp.abs(dh)
+        axes = tuple(range(h.ndim - 1))
+        out["dx"] = dx, dx_mag
+        dw = (dy * xhat).sum(axis=axes), (xp.abs(dy) * terms).sum(axis=axes)
+        out["dweight"] = None if w is None else dw
+        out["dbias"] = None if b is None else (dy.sum(axis=axes), xp.abs(dy).sum(axis=axes))
+        return out
 
 
 def np_h(x, residual):
-    """The h returned with prenorm: x, or x + residual rounded to x's dtype."""
+    """The h returned with prenorm: x, or x + residual rounded to x's dtype (numpy)."""
+    x = np.asarray(x)
     if residual is None:
-        return np.asarray(x)
-    return (f64(x) + f64(residual)).astype(np.asarray(x).dtype)
-
-
-def np_hn(x, residual):
-    """The h that is normalised: the h returned, in float64."""
-    return f64(np_h(x, residual))
+        return x
+    wide = np.result_type(x.dtype, np.float32)
+    return (x.astype(wide) + np.asarray(residual).astype(wide)).astype(x.dtype)
 
 
 def np_stats(h, rms, eps):
-    h = f64(h)
-    centred = h if rms else h - h.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt((centred * centred).mean(axis=-1, keepdims=True) + eps)
-    return centred * rstd, rstd
+    """The reference's float64 xhat and rstd (over the last axis, kept) of h (numpy)."""
+    ref = reference("rms_norm" if rms else "layer_norm", np.asarray(h), eps=eps)
+    return ref["xhat"], ref["rstd"]
 
 
 def np_norm(h, weight, bias, *, rms, eps, offset):
-    y, _ = np_stats(h, rms, eps)
-    if weight is not None:
-        y = y * (f64(weight) + offset)
-    if bias is not None:
-        y = y + f64(bias)
-    return y
-
-
-def np_grads(h, weight, bias, dy, dh, *, rms, eps, offset):
-    """Float64 (dx, dweight, dbias) for cotangents dy of y and dh of h (or None).
-    dx is also the residual's gradient. test_np_grads_match_jax_grad checks this formula
-    against jax.grad of a float64 implementation."""
-    xhat, rstd = np_stats(h, rms, eps)
-    dy = f64(dy)
-    g = dy if weight is None else dy * (f64(weight) + offset)
-    dx = g - xhat * (g * xhat).mean(axis=-1, keepdims=True)
-    if not rms:
-        dx = dx - g.mean(axis=-1, keepdims=True)
-    dx = dx * rstd
-    if dh is not None:
-        dx = dx + f64(dh)
-    axes = tuple(range(dy.ndim - 1))
-    dw = None if weight is None else (dy * xhat).sum(axis=axes)
-    db = None if bias is None else dy.sum(axis=axes)
-    return dx, dw, db
-
-
-def np_dx_scale(h, weight, dy, dh, *, rms, eps, offset):
-    """The size of the terms that make dx, rstd * |dy * (w + offset)| (+ |dh|): what
-    its error is judged against (for LayerNorm of a row of one, dx from y is 0 but
-    it is the difference of such terms)."""
-    _, rstd = np_stats(h, rms, eps)
-    g = np.abs(f64(dy)) * (1.0 if weight is None else np.abs(f64(weight) + offset))
-    return np.max(g * rstd + (0.0 if dh is None else np.abs(f64(dh))), initial=0.0)
+    """The reference's float64 y (numpy)."""
+    op = "rms_norm" if rms else "layer_norm"
+    return reference(op, np.asarray(h), weight, bias, eps=eps, offset=offset)["y"][0]
 
 
 def jax64_grads(h, weight, bias, dy, dh, *, rms, eps, offset):
-    """The same by jax.vjp of a float64 jnp implementation (slow: compiles per shape)."""
+    """Float64 (dx, dweight, dbias) by jax.vjp of a float64 jnp implementation, for
+    cotangents dy of y and dh of h (or None): the check of the reference's gradients."""
     with jax.enable_x64(True):
 
         def fn(h, w, b):
@@ -96,467 +151,487 @@ def jax64_grads(h, weight, bias, dy, dh, *, rms, eps, offset):
                 y = y + b
             return y
 
-        args = [None if a is None else jnp.asarray(f64(a)) for a in (h, weight, bias)]
-        _, vjp = jax.vjp(fn, *args)
-        dx, dw, db = vjp(jnp.asarray(f64(dy)))
+        f64 = [
+            None if a is None else jnp.asarray(np.asarray(a, np.float64))
+            for a in (h, weight, bias, dy, dh)
+        ]
+        _, vjp = jax.vjp(fn, *f64[:3])
+        dx, dw, db = vjp(f64[3])
         if dh is not None:
-            dx = dx + jnp.asarray(f64(dh))
+            dx = dx + f64[4]
         return [None if g is None else np.asarray(g) for g in (dx, dw, db)]
 
 
-def random(shape, dtype, scale=1.0, shift=0.0, as_float32=False):
-    """Random values of ``dtype`` (as float32 with ``as_float32``), made in numpy."""
-    values = (scale * RNG.standard_normal(shape) + shift).astype(np.float32)
-    values = values.astype(jnp.dtype(dtype))
-    return jnp.asarray(values.astype(np.float32) if as_float32 else values)
+# -- the calls under test -----------------------------------------------------------------
 
 
-def assert_close(out, ref, dtype, label="", scale=0.0):
-    """Within TOL[dtype] of the largest of |ref| and ``scale``."""
-    out = np.asarray(out).astype(np.float64)
-    assert out.shape == ref.shape, label
-    scale = max(np.max(np.abs(ref), initial=0.0), scale)
-    np.testing.assert_allclose(
-        out, ref, rtol=TOL[dtype], atol=TOL[dtype] * max(scale, 1e-30), err_msg=label
-    )
+def norm(op, x, w=None, b=None, r=None, **kwargs):
+    """``op`` of x with weight w, bias b (layer_norm only) and residual r."""
+    params = (w,) if op == "rms_norm" else (w, b)
+    return OPS[op](x, *params, residual=r, **kwargs)
 
 
-def call(name, x, r, w, b, **kwargs):
-    fn = OPS[name]
-    if name == "layer_norm":
-        return fn(x, w, b, residual=r, **kwargs)
-    assert b is None
-    return fn(x, w, residual=r, **kwargs)
+def forward(op, mix):
+    """(x, weight, bias, residual) -> y, or (y, h) with prenorm."""
+
+    def f(x, w, b, r):
+        kwargs = dict(prenorm=mix.prenorm, weight_offset=mix.offset, out_dtype=mix.out)
+        return norm(op, x, w, b, r, eps=mix.eps, **kwargs)
+
+    return f
 
 
-@dataclasses.dataclass
-class Case:
-    """One call: random operands as ``config`` asks (weight and bias dtypes, "x" for x's
-    dtype; residual; the keyword arguments), cotangents, and the float64 references."""
+def forward_backward(op, mix):
+    """(x, weight, bias, residual, dy, dh) -> (y or (y, h), (dx, dweight, dbias,
+    dresidual)) through ``jax.vjp``."""
 
-    name: str
-    dtype: str
-    shape: tuple
-    config: dict
+    def fn(x, w, b, r, dy, dh):
+        out, vjp = jax.vjp(forward(op, mix), x, w, b, r)
+        return out, vjp((dy, dh) if mix.prenorm else dy)
 
-    def __post_init__(self):
-        config, n, dtype = dict(self.config), self.shape[-1], self.dtype
-        dt = lambda k: dtype if config.get(k) == "x" else config.get(k)  # noqa: E731
-        self.rms = self.name == "rms_norm"
-        # a mean offset, so that LayerNorm's centring matters
-        self.x = random(self.shape, dtype, 3.0, 1.5)
-        self.r = random(self.shape, dtype, 2.0) if config.get("residual") else None
-        self.w = None if dt("weight") is None else random((n,), dt("weight"), 1.0, 0.5)
-        self.b = None if self.rms or dt("bias") is None else random((n,), dt("bias"))
-        keys = ("eps", "prenorm", "weight_offset", "out_dtype")
-        self.kwargs = {k: config[k] for k in keys if k in config}
-        self.prenorm = self.kwargs.get("prenorm", False)
-        self.out_dtype = jnp.dtype(self.kwargs.get("out_dtype", dtype)).name
-        self.eps = self.kwargs.get("eps", 1e-6)
-        self.offset = self.kwargs.get("weight_offset", 0.0)
-        # cotangents representable in the output dtypes, so that the casts are exact
-        self.gy = random(self.shape, self.out_dtype, as_float32=True)
-        self.gh = random(self.shape, dtype, as_float32=True) if self.prenorm else None
-        self.label = f"{self.name} {dtype} {self.shape} {self.config}"
-
-    @property
-    def operands(self):
-        return (self.x, self.r, self.w, self.b)
-
-    def __call__(self, x, r, w, b):
-        return call(self.name, x, r, w, b, **self.kwargs)
-
-    def loss(self, x, r, w, b):
-        out = self(x, r, w, b)
-        y, h = out if self.prenorm else (out, None)
-        value = jnp.sum(y.astype(jnp.float32) * self.gy)
-        return value if h is None else value + jnp.sum(h.astype(jnp.float32) * self.gh)
-
-    def check_forward(self, out):
-        y, h = out if self.prenorm else (out, None)
-        assert y.shape == self.x.shape and y.dtype == jnp.dtype(self.out_dtype), self.label
-        if self.prenorm:
-            assert h.shape == self.x.shape and h.dtype == self.x.dtype, self.label
-            np.testing.assert_array_equal(np.asarray(h), np_h(self.x, self.r), err_msg=self.label)
-        h_ref = np_hn(self.x, self.r)
-        ref = np_norm(h_ref, self.w, self.b, rms=self.rms, eps=self.eps, offset=self.offset)
-        # the sum is exact and the math float32: the error is that of rounding to y's dtype
-        assert_close(y, ref, self.out_dtype, self.label)
-
-    def check_grads(self, grads):
-        dx, dr, dw, db = grads
-        kw = dict(rms=self.rms, eps=self.eps, offset=self.offset)
-        h = np_hn(self.x, self.r)
-        refs = np_grads(h, self.w, self.b, self.gy, self.gh, **kw)
-        dx_scale = np_dx_scale(h, self.w, self.gy, self.gh, **kw)
-        assert dx.dtype == self.x.dtype, self.label
-        assert_close(dx, refs[0], self.dtype, f"dx: {self.label}", dx_scale)
-        if self.r is None:
-            assert dr is None
-        else:
-            assert dr.dtype == self.r.dtype, self.label
-            np.testing.assert_array_equal(np.asarray(dr), np.asarray(dx), err_msg=self.label)
-        for key, grad, ref, operand in (("dw", dw, refs[1], self.w), ("db", db, refs[2], self.b)):
-            if operand is None:
-                assert grad is None, self.label
-            else:
-                assert grad.shape == operand.shape and grad.dtype == operand.dtype, self.label
-                assert_close(grad, ref, operand.dtype.name, f"{key}: {self.label}")
+    return fn
 
 
-def make_inputs(name, dtype, shape, **config):
-    """x, residual, weight, bias (None where absent; no bias for rms_norm)."""
-    return Case(name, dtype, shape, config).operands
-
-
-def run_forward(cases, jit=True):
-    """All cases in one jitted function (one compile)."""
-    fn = lambda ops: [c(*o) for c, o in zip(cases, ops, strict=True)]  # noqa: E731
-    outs = (jax.jit(fn) if jit else fn)([c.operands for c in cases])
-    for case, out in zip(cases, outs, strict=True):
-        case.check_forward(out)
-
-
-def run_grads(cases):
-    """The gradients of all cases' losses w.r.t. all operands, in one jitted function."""
-
-    def total(ops):
-        return sum(c.loss(*o) for c, o in zip(cases, ops, strict=True))
-
-    grads = jax.jit(jax.grad(total))([c.operands for c in cases])
-    for case, g in zip(cases, grads, strict=True):
-        case.check_grads(g)
-
-
-# -- forward --------------------------------------------------------------------------
-
-FORWARD_CONFIGS = {
-    "plain": {},
-    "weight": dict(weight="x"),
-    "weight_f32": dict(weight="float32"),
-    "weight_offset": dict(weight="x", weight_offset=1.0),
-    "bias": dict(weight="float32", bias="x"),
-    "bias_only": dict(bias="float32"),
-    "eps": dict(weight="x", eps=0.5),
-    "residual": dict(residual=True),
-    "residual_prenorm": dict(residual=True, prenorm=True, weight="x"),
-    "prenorm": dict(prenorm=True),
-    "out_f32": dict(out_dtype="float32", weight="x"),
-    "out_bf16": dict(out_dtype=jnp.bfloat16, bias="x"),
-    "all": dict(
-        weight="float32",
-        bias="float32",
-        residual=True,
-        prenorm=True,
-        weight_offset=1.0,
-        out_dtype="float32",
-        eps=1e-3,
-    ),
-}
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_forward_configs_match_float64(name, dtype):
-    run_forward([Case(name, dtype, (3, 257), c) for c in FORWARD_CONFIGS.values()])
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", [1, 7, 128, 1000, 5000])
-def test_forward_shapes_match_float64(name, dtype, n):
-    """Each leading shape with one of three configurations, rotating with n."""
-    leads, configs = [(), (3,), (2, 5)], ["plain", "all", "residual_prenorm"]
-    k = [1, 7, 128, 1000, 5000].index(n)
-    cases = [
-        Case(name, dtype, (*lead, n), FORWARD_CONFIGS[configs[(i + k) % 3]])
-        for i, lead in enumerate(leads)
+def specs(op, shape, dtype, mix):
+    """Shape-dtype structs of (x, weight, bias, residual, dy, dh), None where absent."""
+    weight, bias, out = mix.dtypes(op, dtype)
+    row = SDS(shape, dtype)
+    return [
+        row,
+        None if weight is None else SDS(shape[-1:], weight),
+        None if bias is None else SDS(shape[-1:], bias),
+        row if mix.residual else None,
+        SDS(shape, out),
+        row if mix.prenorm else None,
     ]
-    run_forward(cases)
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_forward_eager(name):
-    run_forward([Case(name, "bfloat16", (2, 3, 100), FORWARD_CONFIGS["all"])], jit=False)
+def operands(backend, op, shape, dtype, mix, key):
+    """Random (x, weight, bias, residual, dy, dh): x with a mean offset (it matters to
+    LayerNorm), the weight about 1; the cotangents in y's and h's dtypes. Drawn by numpy
+    for the CPU (no compiles), on the device for the GPU (large arrays)."""
+    scale_shift = ((2.0, 0.5), (0.2, 1.0), (0.5, 0.0), (1.0, 0.0), (1.0, 0.0), (1.0, 0.0))
+    if backend == "cpu":
+        rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+        normals = [functools.partial(rng.standard_normal, dtype=np.float32)] * 6
+    else:
+        normals = [functools.partial(jax.random.normal, k) for k in jax.random.split(key, 6)]
+    return [
+        None if s is None else jnp.asarray((shift + scale * normal(s.shape)).astype(s.dtype))
+        for s, normal, (scale, shift) in zip(
+            specs(op, shape, dtype, mix), normals, scale_shift, strict=True
+        )
+    ]
 
 
-def test_eps_is_added_inside_the_root():
-    """A constant row: y = (h - mean) * rsqrt(var + eps) exposes where eps goes."""
-    x = jnp.full((2, 64), 2.0, jnp.float32)
-    np.testing.assert_allclose(quack_jax.rms_norm(x, eps=5.0), 2.0 / 3.0, rtol=1e-6)
-    np.testing.assert_array_equal(quack_jax.layer_norm(x, eps=5.0), 0.0)
-    w = jnp.full((64,), 3.0, jnp.float32)
-    np.testing.assert_allclose(
-        quack_jax.rms_norm(x, w, eps=5.0, weight_offset=1.0), 4 * 2.0 / 3.0, rtol=1e-6
+def rows_h(backend, x, r):
+    """h for the reference: numpy on the CPU; on the GPU on the device (rounded on the
+    host: XLA would drop a narrowing convert that is widened again)."""
+    if backend == "cpu":
+        return np_h(x, r)
+    return x if r is None else jnp.asarray(np_h(x, r))
+
+
+def check(backend, op, mix, args, out, grads, what):
+    """The outputs and gradients of ``forward_backward`` against the reference."""
+    x, w, b, r, dy, dh = args
+    dtype = x.dtype.name
+    y, h = out if mix.prenorm else (out, None)
+    dx, dw, db, dr = grads
+    h_ref = rows_h(backend, x, r)
+    ref = reference(op, h_ref, w, b, dy, dh, eps=mix.eps, offset=mix.offset)
+    out_dtype = mix.dtypes(op, dtype)[2]
+    assert y.shape == dx.shape == x.shape, what
+    assert y.dtype == out_dtype and dx.dtype == x.dtype, what
+    assert_close(y, *ref["y"], out_dtype, f"y {what}", x=x)
+    if mix.prenorm:
+        assert h.shape == x.shape and h.dtype == x.dtype, what
+        assert_close(h, h_ref, 0.0, dtype, f"h {what}")  # equal, but for subnormals
+    assert_close(dx, *ref["dx"], dtype, f"dx {what}", x=x, dy=dy)
+    for grad, operand, name in ((dw, w, "dweight"), (db, b, "dbias")):
+        if operand is None:
+            assert grad is None, what
+        else:
+            assert grad.shape == operand.shape and grad.dtype == operand.dtype, what
+            assert_close(grad, *ref[name], operand.dtype.name, f"{name} {what}")
+    if r is None:
+        assert dr is None, what
+    else:
+        assert np.asarray(dr).tobytes() == np.asarray(dx).tobytes(), f"dresidual != dx: {what}"
+
+
+def assert_same_bits(a, b, what):
+    for one, two in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert np.asarray(one).tobytes() == np.asarray(two).tobytes(), what
+
+
+def run_cases(backend, cases):
+    """``forward_backward`` of each (op, mix name, operands) in one compiled function,
+    checked against the reference; the weight and bias gradients again on a second run,
+    bit for bit."""
+    fns = [forward_backward(op, MIXES[name]) for op, name, _ in cases]
+    args = [a for _, _, a in cases]
+
+    def every(args):
+        return [fn(*a) for fn, a in zip(fns, args, strict=True)]
+
+    results = run(backend, every, args, launches=2 * len(cases))
+    for (op, name, a), (out, grads) in zip(cases, results, strict=True):
+        shape = "x".join(map(str, a[0].shape))
+        check(backend, op, MIXES[name], a, out, grads, f"{op} {name} {shape} {a[0].dtype}")
+    again = run(backend, every, args, launches=2 * len(cases))
+    weight_grads = [[grads[1:3] for _, grads in outs] for outs in (results, again)]
+    assert_same_bits(*weight_grads, "the weight gradients differ between runs")
+
+
+# -- values and gradients -------------------------------------------------------------------
+
+
+def grid_cases():
+    """(backend, m, n, dtype, rms_norm's mix, layer_norm's mix): the SPEC's grid on each
+    backend, the mixes in turn."""
+    names = list(MIXES)
+    return [
+        backend_param(*p.values, names[i % len(names)], names[(i + 3) % len(names)])
+        for i, p in enumerate(grid("rms_norm"))
+    ]
+
+
+@pytest.mark.parametrize(("backend", "m", "n", "dtype", "rms_mix", "layer_mix"), grid_cases())
+def test_forward_backward(backend, m, n, dtype, rms_mix, layer_mix):
+    cases = [
+        (op, mix, operands(backend, op, (m, n), dtype, MIXES[mix], key_for(op, m, n, dtype, mix)))
+        for op, mix in zip(OPS, (rms_mix, layer_mix), strict=True)
+    ]
+    run_cases(backend, cases)
+
+
+def mix_sizes():
+    return [
+        backend_param(backend, n, dtype)
+        for backend in BACKENDS
+        for n in MIX_SIZES[backend]
+        for dtype in op_specs()["rms_norm"].tests[backend].dtypes
+    ]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(("backend", "n", "dtype"), mix_sizes())
+def test_every_mix(backend, n, dtype, op):
+    """Every mix of operands and options."""
+    m = MIX_ROWS[backend]
+    run_cases(
+        backend,
+        [
+            (op, name, operands(backend, op, (m, n), dtype, mix, key_for(op, n, dtype, name)))
+            for name, mix in MIXES.items()
+        ],
     )
 
 
-def test_residual_sum_is_rounded_before_normalising():
+# shapes of rank 1 and 3 and rows of one, the dtype and mix of each
+LEADING = (
+    ((1,), "float32", "all"),
+    ((7,), "bfloat16", "mixed_params_prenorm_bf16_out"),
+    ((1000,), "float16", "weight_residual_prenorm"),
+    ((4, 1), "bfloat16", "residual_fp32_out"),
+    ((2, 3, 128), "float16", "all"),
+    ((2, 5, 300), "float32", "bias_residual_eps"),
+    ((2, 1, 5000), "bfloat16", "weight_residual_prenorm"),
+)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_leading_axes(backend, op):
+    """Ranks 1 and 3 and rows of one."""
+    run_cases(
+        backend,
+        [
+            (op, name, operands(backend, op, shape, dtype, MIXES[name], key_for(op, shape, dtype)))
+            for shape, dtype, name in LEADING
+        ],
+    )
+
+
+SPECIAL_MIX = "fp32_params_offset"
+
+
+@pytest.mark.parametrize(("backend", "n", "dtype"), grid("rms_norm", special=True))
+def test_special_values(backend, n, dtype):
+    """NaN, +-inf and large values propagate as in the float64 reference."""
+    big = 6e4 if dtype == "float16" else 1e4
+    cases = []
+    for op in OPS:
+        args = operands(backend, op, (8, n), dtype, MIXES[SPECIAL_MIX], key_for(op, n, dtype))
+        x = np.array(args[0], np.float32)
+        x[0, n // 2] = np.nan
+        x[1, n // 3] = np.inf
+        x[2, :] = -np.inf
+        x[3, ::2] = big
+        x[4, :] = big
+        x[5, n - 1] = -big
+        args[0] = jnp.asarray(x.astype(jnp.dtype(dtype)))
+        cases.append((op, SPECIAL_MIX, args))
+    run_cases(backend, cases)
+
+
+def eps_norms(x, w):
+    return (
+        quack_jax.rms_norm(x, eps=5.0),
+        quack_jax.layer_norm(x, eps=5.0),
+        quack_jax.rms_norm(x, w, eps=5.0, weight_offset=1.0),
+    )
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_eps_is_added_inside_the_root(backend):
+    """A constant row: y = (h - mean) * rsqrt(var + eps) exposes where eps goes."""
+    x, w = jnp.full((2, 64), 2.0, jnp.float32), jnp.full((64,), 3.0, jnp.float32)
+    rms, layer, scaled = run(backend, eps_norms, x, w, launches=3)
+    assert_close(rms, np.full((2, 64), 2 / 3), 2 / 3, "float32", "rms_norm")
+    np.testing.assert_array_equal(layer, 0.0)
+    assert_close(scaled, np.full((2, 64), 8 / 3), 8 / 3, "float32", "rms_norm with a weight")
+
+
+def rounded_residual(x, r):
+    return quack_jax.rms_norm(x, residual=r, prenorm=True, out_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_residual_sum_is_rounded_before_normalising(backend):
     """bfloat16: 256 + 1 rounds to 256, in the h returned and in the h normalised, as
     an unfused ``x + residual`` in bfloat16 would."""
     x = jnp.asarray([[256.0, -256.0, 0.0, 0.0]], jnp.bfloat16)
     r = jnp.asarray([[1.0, 0.0, 0.0, 0.0]], jnp.bfloat16)
-    y, h = quack_jax.rms_norm(x, residual=r, prenorm=True, out_dtype=jnp.float32)
+    y, h = run(backend, rounded_residual, x, r, launches=1)
     np.testing.assert_array_equal(np.asarray(h, np.float32), [[256.0, -256.0, 0.0, 0.0]])
     rms = np.sqrt((256.0**2 + 256.0**2) / 4)
-    np.testing.assert_allclose(y, [[256.0 / rms, -256.0 / rms, 0.0, 0.0]], rtol=1e-6)
+    ref = np.asarray([[256.0 / rms, -256.0 / rms, 0.0, 0.0]])
+    assert_close(y, ref, np.abs(ref), "float32", "y")
 
 
-# -- gradients ------------------------------------------------------------------------
+def constant_row(x, r, w, b, g):
+    def f(x, r, w, b):
+        return quack_jax.layer_norm(x, w, b, residual=r, eps=1e-4, out_dtype=jnp.float32)
 
-GRAD_CONFIGS = {
-    "plain": {},
-    "weight": dict(weight="x"),
-    "weight_f32_offset": dict(weight="float32", bias="float32", weight_offset=1.0),
-    "bias_x": dict(weight="x", bias="x"),
-    "bias_only": dict(bias="float32"),
-    "prenorm": dict(prenorm=True, weight="float32", bias="x"),
-    "out_f32": dict(weight="x", out_dtype="float32", eps=1e-2),
-}
-RESIDUAL_GRAD_CONFIGS = {
-    "residual": dict(residual=True, weight="x", bias="x"),
-    "residual_prenorm": dict(residual=True, prenorm=True, weight="float32", bias="x"),
-    "all": dict(
-        weight="float32",
-        bias="float32",
-        residual=True,
-        prenorm=True,
-        weight_offset=1.0,
-        out_dtype="float32",
-        eps=1e-2,
-    ),
-}
+    y, vjp = jax.vjp(f, x, r, w, b)
+    return y, vjp(g)
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_np_grads_match_jax_grad(name):
-    """The analytic float64 gradients the tests use, against jax.grad in float64."""
-    for shape, config in (((3, 40), RESIDUAL_GRAD_CONFIGS["all"]), ((2, 2, 7), {"prenorm": True})):
-        c = Case(name, "float32", shape, config)
-        args = (np_hn(c.x, c.r), c.w, c.b, c.gy, c.gh)
-        kw = dict(rms=c.rms, eps=c.eps, offset=c.offset)
-        for ours, theirs in zip(np_grads(*args, **kw), jax64_grads(*args, **kw), strict=True):
-            assert (ours is None) == (theirs is None)
-            if ours is not None:
-                np.testing.assert_allclose(ours, theirs, rtol=1e-10, atol=1e-10)
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gradients_match_float64(name, dtype):
-    run_grads([Case(name, dtype, (2, 5, 300), c) for c in GRAD_CONFIGS.values()])
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gradient_shapes_match_float64(name, dtype):
-    shapes = [(1,), (7,), (3, 1), (4, 7), (2, 3, 128), (1000,), (3, 5000)]
-    run_grads([Case(name, dtype, shape, GRAD_CONFIGS["prenorm"]) for shape in shapes])
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_residual_gradients_match_float64(name, dtype):
-    """With a residual: dresidual is dx, and all gradients are those of the function
-    the forward computes (which normalises the unrounded sum)."""
-    cases = [Case(name, dtype, (2, 5, 300), c) for c in RESIDUAL_GRAD_CONFIGS.values()]
-    shapes = [(1,), (3, 1), (4, 7), (3, 5000)]
-    cases += [Case(name, dtype, s, RESIDUAL_GRAD_CONFIGS["residual_prenorm"]) for s in shapes]
-    run_grads(cases)
-
-
-def test_layer_norm_gradient_of_a_constant_row_with_residual():
-    """bfloat16 256 + 1: the forward normalises the constant row 257 (xhat = 0), so
-    dweight is 0 and dx = rstd * (g - mean(g)) with rstd = 1 / sqrt(eps)."""
+@pytest.mark.parametrize("backend", backends())
+def test_layer_norm_gradient_of_a_constant_row_with_residual(backend):
+    """bfloat16 256 + 1 rounds to the constant row 256 (xhat = 0), so y and dweight are
+    0 and dx = rstd * (g - mean(g)) with rstd = 1 / sqrt(eps)."""
     x = jnp.full((2, 64), 256.0, jnp.bfloat16)
     r = jnp.full((2, 64), 1.0, jnp.bfloat16)
     w, b = jnp.ones((64,), jnp.float32), jnp.zeros((64,), jnp.float32)
     g = np.tile(np.linspace(-1.0, 1.0, 64, dtype=np.float32) ** 3 + 0.25, (2, 1))
-
-    def loss(x, r, w, b):
-        y = quack_jax.layer_norm(x, w, b, residual=r, eps=1e-4, out_dtype=jnp.float32)
-        return jnp.sum(y * g)
-
-    y = quack_jax.layer_norm(x, w, b, residual=r, eps=1e-4, out_dtype=jnp.float32)
+    y, (dx, dr, dw, db) = run(backend, constant_row, x, r, w, b, g, launches=2)
     np.testing.assert_array_equal(y, 0.0)
-    dx, dr, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, r, w, b)
-    ref_dx = 100.0 * (g - g.mean(axis=-1, keepdims=True))
-    assert_close(dx, ref_dx.astype(np.float64), "bfloat16")
+    g64 = g.astype(np.float64)
+    mag = 100.0 * (np.abs(g64) + np.abs(g64).mean(axis=-1, keepdims=True))
+    assert_close(dx, 100.0 * (g64 - g64.mean(axis=-1, keepdims=True)), mag, "bfloat16", "dx")
     np.testing.assert_array_equal(dr, dx)
-    np.testing.assert_allclose(dw, 0.0, atol=1e-6)
-    np.testing.assert_allclose(db, g.sum(axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(dw, 0.0)
+    assert_close(db, g64.sum(axis=0), np.abs(g64).sum(axis=0), "float32", "dbias")
 
 
-# -- empty and float64 ----------------------------------------------------------------
+# -- empty and float64 ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)])
-def test_empty_rows(name, shape):
-    n = shape[-1]
-    x, r = jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)
-    w, b = jnp.ones((n,), jnp.float32), jnp.ones((n,), jnp.float32)
-    if name == "rms_norm":
-        b = None
-    y, h = call(name, x, r, w, b, prenorm=True)
-    assert y.shape == shape and h.shape == shape and y.dtype == jnp.bfloat16
-
-    def loss(x, r, w, b):
-        y, h = call(name, x, r, w, b, prenorm=True)
-        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(h.astype(jnp.float32))
-
-    dx, dr, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, r, w, b)
-    assert dx.shape == shape and dr.shape == shape and dx.dtype == jnp.bfloat16
-    assert dw.shape == (n,) and dw.dtype == jnp.float32
-    np.testing.assert_array_equal(dw, np.zeros(n))
-    if b is not None:
-        np.testing.assert_array_equal(db, np.zeros(n))
+@pytest.mark.parametrize("backend", backends())
+def test_empty_rows(backend, shape, op):
+    mix = MIXES["all"]
+    args = operands(backend, op, shape, "bfloat16", mix, key_for("empty", shape, op))
+    (y, h), (dx, dw, db, dr) = run(backend, forward_backward(op, mix), *args, launches=0)
+    assert y.shape == h.shape == dx.shape == dr.shape == shape
+    assert y.dtype == jnp.float32 and h.dtype == dx.dtype == jnp.bfloat16
+    assert dw.shape == (16,) and dw.dtype == jnp.float32
+    np.testing.assert_array_equal(dw, np.zeros(16))
+    if db is not None:
+        np.testing.assert_array_equal(db, np.zeros(16))
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_float64_uses_reference(name):
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_float64_uses_reference(backend, op):
+    mix = Mix(weight="x", bias="x", residual=True, prenorm=True, offset=1.0, eps=1e-3)
     with jax.enable_x64(True):
-        shape = (3, 50)
-        x = jnp.asarray(3.0 * RNG.standard_normal(shape) + 1.0)
-        r = jnp.asarray(RNG.standard_normal(shape))
-        w = jnp.asarray(RNG.standard_normal(50))
-        b = None if name == "rms_norm" else jnp.asarray(RNG.standard_normal(50))
-        gy = np.asarray(RNG.standard_normal(shape))
-        y, h = call(name, x, r, w, b, prenorm=True, eps=1e-3, weight_offset=1.0)
-        assert y.dtype == jnp.float64 and h.dtype == jnp.float64
-        np.testing.assert_array_equal(h, np.asarray(x) + np.asarray(r))
-        rms = name == "rms_norm"
-        ref = np_norm(np.asarray(h), w, b, rms=rms, eps=1e-3, offset=1.0)
-        np.testing.assert_allclose(y, ref, rtol=1e-12, atol=1e-12)
+        args = operands(backend, op, (3, 50), "float64", mix, key_for("float64", op))
+        out, grads = run(backend, forward_backward(op, mix), *args, launches=0)
+        check(backend, op, mix, args, out, grads, f"{op} float64")
 
-        def loss(x, w, b):
-            return jnp.sum(call(name, x, None, w, b, eps=1e-3, weight_offset=1.0) * gy)
 
-        dx, dw, db = jax.grad(loss, argnums=(0, 1, 2))(x, w, b)
-        assert dx.dtype == jnp.float64 and dw.dtype == jnp.float64
-        refs = np_grads(np.asarray(x), w, b, gy, None, rms=rms, eps=1e-3, offset=1.0)
-        for grad, ref in zip((dx, dw, db), refs, strict=True):
-            if ref is None:
+# -- transforms -------------------------------------------------------------------------------
+
+# vmap over the leading axis of a rank-3 x (and residual and cotangents), the weight and
+# bias shared
+VMAP_SHAPE = (6, 7, 100)
+VMAP_AXES = (0, None, None, 0, 0, 0)
+
+
+def batch_axis_1(op):
+    """``op`` vmapped over the second axis of x, the weight and bias shared."""
+    return jax.vmap(lambda x, w, b: norm(op, x, w, b, eps=EPS), in_axes=(1, None, None), out_axes=1)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_with_shared_weight(backend, op):
+    """vmap of forward and backward over a rank-3 x with a shared weight: the folded
+    rows' results bit for bit, and per-example weight gradients; vmap over a batch axis
+    that is not the first."""
+    mix = MIXES["all"]
+    folded_shape = (VMAP_SHAPE[0] * VMAP_SHAPE[1], VMAP_SHAPE[2])
+    args = operands(backend, op, folded_shape, "bfloat16", mix, key_for("vmap", op))
+    fn = forward_backward(op, mix)
+    folded_out, folded_grads = run(backend, fn, *args, launches=2)
+    check(backend, op, mix, args, folded_out, folded_grads, f"{op} folded")
+    x, w, b, r, dy, dh = (None if a is None else np.asarray(a) for a in args)
+    x3, r3, dy3, dh3 = (a.reshape(VMAP_SHAPE) for a in (x, r, dy, dh))
+    vmapped = jax.vmap(fn, in_axes=VMAP_AXES)
+    out, grads = run(backend, vmapped, x3, w, b, r3, dy3, dh3, launches=2)
+    batched = jax.tree.leaves((out, grads[0], grads[3]))
+    for a, c in zip(batched, jax.tree.leaves((folded_out, *folded_grads[::3])), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).reshape(c.shape), np.asarray(c))
+    for i in range(VMAP_SHAPE[0]):
+        rows = slice(i * VMAP_SHAPE[1], (i + 1) * VMAP_SHAPE[1])
+        h = np_h(x[rows], r[rows])
+        ref = reference(op, h, w, b, dy[rows], dh[rows], eps=mix.eps, offset=mix.offset)
+        for grad, operand, name in ((grads[1], w, "dweight"), (grads[2], b, "dbias")):
+            if operand is not None:
+                assert_close(np.asarray(grad)[i], *ref[name], operand.dtype.name, f"{name} {i}")
+    y = run(backend, batch_axis_1(op), x3, w, b, launches=1)
+    ref = reference(op, x3, w, b, eps=EPS)
+    assert_close(y, *ref["y"], "bfloat16", "vmap over axis 1")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_over_x_and_weight(backend, op):
+    """A batched weight (and bias): the XLA reference, vmapped, on both backends."""
+    mix = MIXES["fp32_params_offset"]
+    args = operands(backend, op, (4, 6, 96), "float32", mix, key_for("vmap weight", op))
+    x, w, b = (None if a is None else np.asarray(a) for a in args[:3])
+    w, b = (None if a is None else np.stack([a + 0.1 * i for i in range(4)]) for a in (w, b))
+    fn = jax.vmap(lambda x, w, b: norm(op, x, w, b, eps=EPS), in_axes=(0, 0, 0))
+    y = np.asarray(run(backend, fn, x, w, b, launches=0))
+    for i in range(4):
+        ref = reference(op, x[i], w[i], None if b is None else b[i], eps=EPS)
+        assert_close(y[i], *ref["y"], "float32", f"example {i}")
+
+
+def per_example_grads(op, weights_batched):
+    def loss(x, w, b, g):
+        return jnp.sum(norm(op, x, w, b, eps=EPS, weight_offset=0.5) * g)
+
+    axis = 0 if weights_batched else None
+    return jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, axis, axis, 0))
+
+
+PER_EXAMPLE = (3, 5, 64)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("weights_batched", [False, True])
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_of_grad_gives_per_example_grads(backend, weights_batched, op):
+    """Kernels with a shared weight (the weight gradients per example in XLA), the
+    reference with a batched one."""
+    batch = PER_EXAMPLE[0]
+    mix = MIXES["fp32_params_offset"]
+    args = operands(backend, op, PER_EXAMPLE, "float32", mix, key_for("per example", op))
+    x, w, b, _, g, _ = (None if a is None else np.asarray(a) for a in args)
+    if weights_batched:
+        w, b = (
+            None if a is None else np.stack([a + 0.1 * i for i in range(batch)]) for a in (w, b)
+        )
+    launches = 0 if weights_batched else 2
+    grads = run(backend, per_example_grads(op, weights_batched), x, w, b, g, launches=launches)
+    for i in range(batch):
+        wi, bi = (a[i] if weights_batched and a is not None else a for a in (w, b))
+        ref = reference(op, x[i], wi, bi, g[i], eps=EPS, offset=0.5)
+        for grad, name in zip(grads, ("dx", "dweight", "dbias"), strict=True):
+            if ref[name] is None:
                 assert grad is None
             else:
-                np.testing.assert_allclose(grad, ref, rtol=1e-10, atol=1e-10)
+                assert_close(np.asarray(grad)[i], *ref[name], "float32", f"{name} of example {i}")
 
 
-# -- transforms -----------------------------------------------------------------------
+VMAP_GRAD_SHAPE = (4, 6, 96)
+VMAP_GRAD_MIX = Mix(weight="float32", bias="float32", residual=True)
 
 
-def assert_allclose32(a, b):
-    """Two float32 results of the same computation, within float32 tolerance."""
-    assert_close(a, f64(b), "float32")
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_vmap_over_x_with_shared_weight(name):
-    x, r, w, b = make_inputs(
-        name, "float32", (4, 6, 96), weight="float32", bias="float32", residual=True
-    )
-
-    def fn(x, r):
-        return call(name, x, r, w, b, prenorm=True, weight_offset=1.0)
-
-    y, h = jax.vmap(fn)(x, r)
-    loop = [fn(x[i], r[i]) for i in range(4)]
-    assert_allclose32(y, jnp.stack([o[0] for o in loop]))
-    np.testing.assert_array_equal(h, jnp.stack([o[1] for o in loop]))
-    ref = np_norm(np_hn(x, r), w, b, rms=name == "rms_norm", eps=1e-6, offset=1.0)
-    assert_close(y, ref, "float32")
-    # a batch axis that is not the first
-    y1 = jax.jit(jax.vmap(lambda x: call(name, x, None, w, b), in_axes=1, out_axes=1))(x)
-    assert_close(y1, np_norm(x, w, b, rms=name == "rms_norm", eps=1e-6, offset=0.0), "float32")
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_vmap_over_x_and_weight(name):
-    x = random((4, 6, 96), "float32", 3.0, 1.0)
-    w = random((4, 96), "float32", 1.0, 0.5)
-    b = random((4, 96), "float32") if name == "layer_norm" else None
-    in_axes = (0, 0, None if b is None else 0)
-    y = jax.jit(jax.vmap(lambda x, w, b: call(name, x, None, w, b), in_axes=in_axes))(x, w, b)
-    for i in range(4):
-        bi = None if b is None else b[i]
-        ref = np_norm(x[i], w[i], bi, rms=name == "rms_norm", eps=1e-6, offset=0.0)
-        assert_close(y[i], ref, "float32")
-        assert_allclose32(y[i], call(name, x[i], None, w[i], bi))
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("weights_batched", [False, True])
-def test_vmap_of_grad_gives_per_example_grads(name, weights_batched):
-    batch, shape, n = 3, (5, 64), 64
-    x = random((batch, *shape), "float32", 3.0, 1.0)
-    g = random((batch, *shape), "float32")
-    w = random((batch, n) if weights_batched else (n,), "float32", 1.0, 0.5)
-    b = random(w.shape, "float32")
-    if name == "rms_norm":
-        b = None
-
-    def loss(x, w, b, g):
-        return jnp.sum(call(name, x, None, w, b, weight_offset=0.5) * g)
-
-    vector_axis = 0 if weights_batched else None
-    in_axes = (0, vector_axis, None if b is None else vector_axis, 0)
-    grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=in_axes))(x, w, b, g)
-    for i in range(batch):
-        wi = w[i] if weights_batched else w
-        bi = None if b is None else b[i] if weights_batched else b
-        loop = jax.grad(loss, argnums=(0, 1, 2))(x[i], wi, bi, g[i])
-        refs = np_grads(x[i], wi, bi, g[i], None, rms=name == "rms_norm", eps=1e-6, offset=0.5)
-        for grad, one, ref in zip(grads, loop, refs, strict=True):
-            if ref is None:
-                assert grad is None and one is None
-                continue
-            assert_allclose32(grad[i], one)
-            assert_close(grad[i], ref, "float32")
-
-
-@pytest.mark.parametrize("name", OPS)
-def test_grad_of_vmapped_norm(name):
-    x = random((4, 6, 96), "float32", 3.0, 1.0)
-    r = random((4, 6, 96), "float32")
-    g = random((4, 6, 96), "float32")
-    w = random((96,), "float32", 1.0, 0.5)
-    b = random((96,), "float32") if name == "layer_norm" else None
-
-    def loss(x, r, w, b):
-        y = jax.vmap(lambda x, r: call(name, x, r, w, b), in_axes=(0, 0))(x, r)
+def grad_of_vmapped(op):
+    def loss(x, r, w, b, g):
+        y = jax.vmap(lambda x, r: norm(op, x, w, b, r, eps=EPS))(x, r)
         return jnp.sum(y * g)
 
-    dx, dr, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, r, w, b)
-    refs = np_grads(np_hn(x, r), w, b, g, None, rms=name == "rms_norm", eps=1e-6, offset=0.0)
-    assert_close(dx, refs[0], "float32")
-    np.testing.assert_array_equal(np.asarray(dr), np.asarray(dx))
-    assert_close(dw, refs[1], "float32")
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_grad_of_vmapped_norm(backend, op):
+    key = key_for("grad of vmap", op)
+    x, w, b, r, g, _ = operands(backend, op, VMAP_GRAD_SHAPE, "float32", VMAP_GRAD_MIX, key)
+    dx, dr, dw, db = run(backend, grad_of_vmapped(op), x, r, w, b, g, launches=2)
+    ref = reference(op, np_h(x, r), w, b, g, eps=EPS)
+    assert_close(dx, *ref["dx"], "float32", "dx")
+    np.testing.assert_array_equal(dr, dx)
+    assert_close(dw, *ref["dweight"], "float32", "dweight")
     if b is not None:
-        assert_close(db, refs[2], "float32")
+        assert_close(db, *ref["dbias"], "float32", "dbias")
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_jit_matches_eager_and_checkpoint(name):
-    x, r, w, b = make_inputs(
-        name, "bfloat16", (2, 3, 200), weight="bfloat16", bias="bfloat16", residual=True
-    )
-    eager = call(name, x, r, w, b)
-    np.testing.assert_array_equal(jax.jit(lambda x: call(name, x, r, w, b))(x), eager)
-    assert_close(
-        eager, np_norm(np_hn(x, r), w, b, rms=name == "rms_norm", eps=1e-6, offset=0.0), "bfloat16"
-    )
+def sin_loss(op):
+    def loss(x, w, b):
+        return jnp.sum(jnp.sin(norm(op, x, w, b, eps=EPS).astype(jnp.float32)))
 
-    def loss(x, w):
-        return jnp.sum(jnp.sin(call(name, x, None, w, b).astype(jnp.float32)))
-
-    plain = jax.grad(loss, argnums=(0, 1))(x, w)
-    remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, w)
-    for a, c in zip(plain, remat, strict=True):
-        assert a.dtype == c.dtype == jnp.bfloat16
-        assert_close(c, f64(a), "bfloat16")
+    return loss
 
 
-# -- bad input ------------------------------------------------------------------------
+def sin_loss_grads(op, remat):
+    loss = sin_loss(op)
+    return jax.grad(jax.checkpoint(loss) if remat else loss, argnums=(0, 1, 2))
+
+
+JIT_SHAPE = (2, 3, 200)
+SIN_MIX = Mix(weight="x", bias="x")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_jit_matches_eager_and_checkpoint(backend, op):
+    """An eager call gives jit's y and h, bit for bit; the gradient through
+    ``jax.checkpoint`` is right."""
+    mix = MIXES["all"]
+    x, w, b, r, _, _ = operands(backend, op, JIT_SHAPE, "bfloat16", mix, key_for("eager", op))
+    f = forward(op, mix)
+    y, h = f(x, w, b, r)
+    assert_same_bits((y, h), run(backend, f, x, w, b, r, launches=1), "eager and jit differ")
+    np.testing.assert_array_equal(h, np_h(x, r))
+    ref = reference(op, np_h(x, r), w, b, eps=mix.eps, offset=mix.offset)
+    assert_close(y, *ref["y"], "float32", "eager y")
+
+    x, w, b, _, _, _ = operands(backend, op, JIT_SHAPE, "bfloat16", SIN_MIX, key_for("remat", op))
+    y = np.asarray(norm(op, x, w, b, eps=EPS), np.float32)
+    ref = reference(op, np.asarray(x), w, b, np.cos(y).astype(jnp.bfloat16), eps=EPS)
+    remat = jax.jit(sin_loss_grads(op, remat=True))(x, w, b)
+    plain = sin_loss_grads(op, remat=False)(x, w, b)
+    for grads, what in ((remat, "checkpoint"), (plain, "eager")):
+        for grad, name in zip(grads, ("dx", "dweight", "dbias"), strict=True):
+            if ref[name] is None:
+                assert grad is None
+            else:
+                assert grad.dtype == jnp.bfloat16
+                assert_close(grad, *ref[name], "bfloat16", f"{name} {what}")
+
+
+# -- bad input --------------------------------------------------------------------------------
 
 X = jnp.ones((4, 8), jnp.bfloat16)
 BAD = [
@@ -598,169 +673,168 @@ BAD_X = [
 ]
 
 
-def expect(name, error, message):
-    return pytest.raises(error, match=re.escape(f"{name}: {message}"))
+def expect(op, error, message):
+    return pytest.raises(error, match=re.escape(f"{op}: {message}"))
 
 
-def traced(name, kwargs):
-    """The call under jit, with the array arguments traced."""
-    arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-    static = {k: v for k, v in kwargs.items() if k not in arrays}
-    return jax.jit(lambda x, arrays: OPS[name](x, **arrays, **static))
-
-
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(("kwargs", "error", "message"), BAD + BAD_LAYER_NORM)
-def test_bad_argument(name, kwargs, error, message):
-    if name == "rms_norm" and "bias" in kwargs:
+@pytest.mark.parametrize("backend", backends())
+def test_bad_argument(backend, kwargs, error, message, op):
+    """The error eagerly and, with the arrays traced, under jit."""
+    if op == "rms_norm" and "bias" in kwargs:
         with pytest.raises(TypeError, match="bias"):
-            OPS[name](X, **kwargs)
+            OPS[op](X, **kwargs)
         return
-    with expect(name, error, message):
-        OPS[name](X, **kwargs)
+    with expect(op, error, message):
+        OPS[op](X, **kwargs)
     if all(not isinstance(v, list) for v in kwargs.values()):
-        fn = traced(name, kwargs)
-        with expect(name, error, message):
-            fn(X, {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)})
+        arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
+        with expect(op, error, message):
+            jax.jit(lambda x, arrays: OPS[op](x, **arrays, **static))(X, arrays)
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize(("x", "error", "message"), BAD_X)
-def test_bad_x(name, x, error, message):
-    with expect(name, error, message):
-        OPS[name](x)
+@pytest.mark.parametrize("backend", backends())
+def test_bad_x(backend, x, error, message, op):
+    with expect(op, error, message):
+        OPS[op](x)
     if isinstance(x, jax.Array):
-        with expect(name, error, message):
-            jax.jit(OPS[name])(x)
+        with expect(op, error, message):
+            jax.jit(OPS[op])(x)
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_traced_eps_and_offset_are_rejected(name):
-    with expect(name, TypeError, "eps must be a Python float"):
-        jax.jit(lambda x, eps: OPS[name](x, eps=eps))(X, 1e-5)
-    with expect(name, TypeError, "weight_offset must be a Python float"):
-        jax.jit(lambda x, o: OPS[name](x, X[0], weight_offset=o))(X, 1.0)
-    with expect(name, TypeError, "prenorm must be a bool"):
-        jax.jit(lambda x, p: OPS[name](x, prenorm=p))(X, True)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_traced_eps_and_offset_are_rejected(backend, op):
+    with expect(op, TypeError, "eps must be a Python float"):
+        jax.jit(lambda x, eps: OPS[op](x, eps=eps))(X, 1e-5)
+    with expect(op, TypeError, "weight_offset must be a Python float"):
+        jax.jit(lambda x, o: OPS[op](x, X[0], weight_offset=o))(X, 1.0)
+    with expect(op, TypeError, "prenorm must be a bool"):
+        jax.jit(lambda x, p: OPS[op](x, prenorm=p))(X, True)
 
 
-def test_accepted_argument_forms():
-    """numpy inputs, numpy scalars for eps, a float32 weight with bfloat16 x, dtype names."""
-    x = np.asarray(RNG.standard_normal((3, 8)), np.float32)
-    w = np.asarray(RNG.standard_normal(8), np.float32)
-    y = quack_jax.rms_norm(x, w, eps=np.float32(0.25), out_dtype="bfloat16")
-    assert y.dtype == jnp.bfloat16
-    assert_close(y, np_norm(x, w, None, rms=True, eps=0.25, offset=0.0), "bfloat16")
-    y = quack_jax.layer_norm(jnp.asarray(x, jnp.bfloat16), w, w, eps=1)
-    assert y.dtype == jnp.bfloat16
+def accepted_forms(x, w):
+    """numpy inputs, a numpy scalar for eps, a float32 weight with bfloat16 x, dtype names."""
+    return (
+        quack_jax.rms_norm(x, w, eps=np.float32(0.25), out_dtype="bfloat16"),
+        quack_jax.layer_norm(jnp.asarray(x, jnp.bfloat16), w, w, eps=1),
+    )
 
 
-# -- sharding on 8 host devices -------------------------------------------------------
+@pytest.mark.parametrize("backend", backends())
+def test_accepted_argument_forms(backend):
+    key = np.asarray(jax.random.key_data(key_for("forms")))
+    rng = np.random.default_rng(key)
+    x = np.asarray(rng.standard_normal((3, 8)), np.float32)
+    w = np.asarray(rng.standard_normal(8), np.float32)
+    rms, layer = accepted_forms(x, w)
+    assert rms.dtype == layer.dtype == jnp.bfloat16
+    assert_close(rms, *reference("rms_norm", x, w, eps=0.25)["y"], "bfloat16", "rms_norm")
+    h = np.asarray(jnp.asarray(x, jnp.bfloat16))
+    assert_close(layer, *reference("layer_norm", h, w, w, eps=1.0)["y"], "bfloat16", "layer_norm")
+
+
+# -- the reference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_reference_gradients_match_autodiff(op):
+    """The reference's analytic gradients, against jax.vjp in float64."""
+    for shape, mix in (((3, 40), MIXES["all"]), ((2, 2, 7), Mix(prenorm=True))):
+        x, w, b, r, dy, dh = operands("cpu", op, shape, "float32", mix, key_for("autodiff", shape))
+        h = np_h(x, r)
+        ref = reference(op, h, w, b, dy, dh, eps=mix.eps, offset=mix.offset)
+        kw = dict(rms=op == "rms_norm", eps=mix.eps, offset=mix.offset)
+        autodiff = jax64_grads(h, w, b, dy, dh, **kw)
+        for grad, name in zip(autodiff, ("dx", "dweight", "dbias"), strict=True):
+            assert (grad is None) == (ref[name] is None)
+            if grad is not None:
+                assert_close(grad, *ref[name], "float64", f"{name} {shape}")
+
+
+# -- sharding on 8 host devices (CPU) -----------------------------------------------------------
 
 
 def mesh():
     return Mesh(np.asarray(jax.devices("cpu")[:8]), ("data",))
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_sharded_jit_matches_unsharded(name):
-    x, _, w, b = make_inputs(name, "float32", (64, 300), weight="float32", bias="float32")
-    g = random(x.shape, "float32")
+@pytest.mark.parametrize("op", OPS)
+def test_sharded_jit_matches_unsharded(op):
+    mix = MIXES["fp32_params_offset"]
+    x, w, b, _, g, _ = operands("cpu", op, (64, 300), "float32", mix, key_for("sharded", op))
     rows = NamedSharding(mesh(), PartitionSpec("data", None))
     replicated = NamedSharding(mesh(), PartitionSpec())
     xs = jax.device_put(x, rows)
-    ws = jax.device_put(w, replicated)
-    bs = None if b is None else jax.device_put(b, replicated)
-
-    def forward(x, w, b):
-        return call(name, x, None, w, b, weight_offset=1.0)
+    ws, bs = (None if a is None else jax.device_put(a, replicated) for a in (w, b))
+    f = forward(op, mix)
 
     def loss(x, w, b):
-        return jnp.sum(forward(x, w, b) * g)
+        return jnp.sum(f(x, w, b, None) * g)
 
-    y = jax.jit(forward)(xs, ws, bs)
+    y = jax.jit(f)(xs, ws, bs, None)
     assert y.sharding.spec[0] == "data"
-    assert_allclose32(y, forward(x, w, b))
+    ref = reference(op, np.asarray(x), w, b, g, eps=mix.eps, offset=mix.offset)
+    assert_close(y, *ref["y"], "float32", "y")
     value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(xs, ws, bs)
-    ref_value, plain_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(x, w, b)
-    terms = float(jnp.sum(jnp.abs(forward(x, w, b) * g)))  # the sum cancels
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5, atol=1e-6 * terms)
+    g64 = np.asarray(g, np.float64)
+    ref_value, terms = np.sum(ref["y"][0] * g64), np.sum(ref["y"][1] * np.abs(g64))
+    assert_close(value[None], ref_value[None], terms, "float32", "loss")
     assert grads[0].sharding.spec[0] == "data"
-    for grad, ref in zip(grads, plain_grads, strict=True):
-        if ref is None:
+    for grad, name in zip(grads, ("dx", "dweight", "dbias"), strict=True):
+        if ref[name] is None:
             assert grad is None
         else:
-            assert_allclose32(grad, ref)
-    refs = np_grads(x, w, b, g, None, rms=name == "rms_norm", eps=1e-6, offset=1.0)
-    assert_close(grads[0], refs[0], "float32")
-    assert_close(grads[1], refs[1], "float32")
+            assert_close(grad, *ref[name], "float32", name)
 
 
-def row_sharded_norm(name, check_vma=True):
-    """``name`` with residual and prenorm under jax.shard_map over rows of x and the
-    residual, weight and bias replicated."""
+def row_sharded(op, mix):
+    """``op`` under jax.shard_map over rows of x and the residual, the weight and bias
+    replicated."""
     spec, rep = PartitionSpec("data", None), PartitionSpec()
-
-    def forward(x, r, w, b):
-        return call(name, x, r, w, b, prenorm=True, weight_offset=0.5)
-
-    b_spec = None if name == "rms_norm" else rep
+    b_spec = None if op == "rms_norm" else rep
     mapped = jax.shard_map(
-        forward,
+        forward(op, mix),
         mesh=mesh(),
-        in_specs=(spec, spec, rep, b_spec),
+        in_specs=(spec, rep, b_spec, spec),
         out_specs=(spec, spec),
-        check_vma=check_vma,
     )
-    return forward, mapped, NamedSharding(mesh(), spec)
+    return mapped, NamedSharding(mesh(), spec)
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_shard_map_matches_unsharded(name):
-    x, r, w, b = make_inputs(
-        name, "bfloat16", (64, 300), weight="bfloat16", bias="float32", residual=True
-    )
-    forward, mapped, rows = row_sharded_norm(name)
-    y, h = jax.jit(mapped)(jax.device_put(x, rows), jax.device_put(r, rows), w, b)
+@pytest.mark.parametrize("op", OPS)
+def test_shard_map_matches_unsharded(op):
+    mix = Mix(weight="x", bias="float32", residual=True, prenorm=True, offset=0.5)
+    x, w, b, r, _, _ = operands("cpu", op, (64, 300), "bfloat16", mix, key_for("shard_map", op))
+    mapped, rows = row_sharded(op, mix)
+    y, h = jax.jit(mapped)(jax.device_put(x, rows), w, b, jax.device_put(r, rows))
     assert y.sharding.spec[0] == "data"
-    ref_y, ref_h = forward(x, r, w, b)
-    np.testing.assert_array_equal(h, ref_h)
     np.testing.assert_array_equal(h, np_h(x, r))
-    assert_close(y, f64(ref_y), "bfloat16")
-    ref = np_norm(np_hn(x, r), w, b, rms=name == "rms_norm", eps=1e-6, offset=0.5)
-    assert_close(y, ref, "bfloat16")
+    ref = reference(op, np_h(x, r), w, b, eps=mix.eps, offset=mix.offset)
+    assert_close(y, *ref["y"], "bfloat16", "y")
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_grad_through_shard_map_matches_unsharded(name):
-    x, r, w, b = make_inputs(
-        name, "float32", (64, 300), weight="float32", bias="float32", residual=True
-    )
-    gy, gh = random(x.shape, "float32"), random(x.shape, "float32")
-    forward, mapped, rows = row_sharded_norm(name)
+@pytest.mark.parametrize("op", OPS)
+def test_grad_through_shard_map_matches_unsharded(op):
+    mix = Mix(weight="float32", bias="float32", residual=True, prenorm=True, offset=0.5)
+    args = operands("cpu", op, (64, 300), "float32", mix, key_for("shard_map grad", op))
+    x, w, b, r, dy, dh = args
+    mapped, rows = row_sharded(op, mix)
 
-    def loss(fn):
-        def value(x, r, w, b):
-            y, h = fn(x, r, w, b)
-            return jnp.sum(y * gy) + jnp.sum(h * gh)
+    def fn(x, w, b, r):
+        out, vjp = jax.vjp(mapped, x, w, b, r)
+        return out, vjp((dy, dh))
 
-        return value
-
-    argnums = (0, 1, 2) if b is None else (0, 1, 2, 3)
-    xs, rs = jax.device_put(x, rows), jax.device_put(r, rows)
-    grads = jax.jit(jax.grad(loss(mapped), argnums=argnums))(xs, rs, w, b)
-    plain = jax.grad(loss(forward), argnums=argnums)(x, r, w, b)
-    refs = np_grads(np_hn(x, r), w, b, gy, gh, rms=name == "rms_norm", eps=1e-6, offset=0.5)
-    np.testing.assert_array_equal(grads[1], grads[0])
-    assert grads[0].sharding.spec[0] == "data"
-    expected = [refs[0], refs[0], *refs[1 : len(grads) - 1]]
-    for grad, one, ref in zip(grads, plain, expected, strict=True):
-        assert grad.dtype == one.dtype == jnp.float32
-        assert_close(grad, f64(one), "float32")
-        assert_close(grad, ref, "float32")
+    out, (dx, dw, db, dr) = jax.jit(fn)(jax.device_put(x, rows), w, b, jax.device_put(r, rows))
+    assert dx.sharding.spec[0] == "data"
+    check("cpu", op, mix, args, out, (dx, dw, db, dr), f"{op} shard_map")
 
 
-# -- CUDA lowering (kernels compiled with CuTe-DSL, no GPU needed) --------------------
+# -- CUDA lowering (kernels compiled with CuTe-DSL, no GPU needed) -----------------------------
 
 
 @pytest.fixture(scope="module")
@@ -776,80 +850,88 @@ def cuda(kernel_dir, monkeypatch):
     monkeypatch.setattr(_cache, "_memory", {})
 
 
-def lowered(fn, *args):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def launches(text):
+def launches(fn, *args):
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return text.count(f"custom_call @{_ffi.TARGET}")
 
 
 @pytest.mark.cutlass
-@pytest.mark.parametrize("name", OPS)
-def test_cuda_lowering_launches_forward_and_backward_kernels(cuda, name):
-    x = jnp.zeros((4, 7, 1000), jnp.bfloat16)
-    w = jnp.zeros((1000,), jnp.bfloat16)
-    b = jnp.zeros((1000,), jnp.bfloat16) if name == "layer_norm" else None
-
-    def forward(x, w, b):
-        return call(name, x, None, w, b)
-
-    text = lowered(forward, x, w, b)
-    assert launches(text) == 1
-    assert {k[0] for k in _cache._memory} == {f"{name}_fwd"}
-
-    def loss(x, w, b):
-        return jnp.sum(forward(x, w, b).astype(jnp.float32) ** 2)
-
-    text = lowered(jax.grad(loss, argnums=(0, 1, 2) if b is not None else (0, 1)), x, w, b)
-    assert launches(text) == 2
-    assert {k[0] for k in _cache._memory} == {f"{name}_fwd", f"{name}_bwd"}
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_lowering_launches_forward_and_backward_kernels(cuda, op):
+    mix = Mix(weight="x", bias="x")
+    args = specs(op, (4, 7, 1000), "bfloat16", mix)
+    assert launches(forward(op, mix), *args[:4]) == 1
+    assert {k[0] for k in _cache._memory} == {f"{op}_fwd"}
+    assert launches(forward_backward(op, mix), *args) == 2
+    assert {k[0] for k in _cache._memory} == {f"{op}_fwd", f"{op}_bwd"}
 
 
-LOWERING_CONFIGS = {
-    "residual": dict(residual=True),
-    "weight_f32": dict(weight="float32"),
-    "bias": dict(weight="bfloat16", bias="bfloat16"),
-    "out_f32": dict(out_dtype="float32"),
-    "prenorm": dict(residual=True, prenorm=True, weight="float32"),
-    "prenorm_offset": dict(prenorm=True, weight="bfloat16", weight_offset=1.0),
-    "all": dict(residual=True, prenorm=True, weight="float32", bias="float32", out_dtype="float32"),
+LOWERING_MIXES = {
+    "residual": Mix(residual=True),
+    "weight_f32": Mix(weight="float32"),
+    "bias": Mix(weight="x", bias="x"),
+    "out_f32": Mix(out="float32"),
+    "prenorm": Mix(residual=True, prenorm=True, weight="float32"),
+    "prenorm_offset": Mix(prenorm=True, weight="x", offset=1.0),
+    "all": Mix(residual=True, prenorm=True, weight="float32", bias="float32", out="float32"),
 }
 
 
-@pytest.mark.parametrize(
-    ("name", "config"),
-    [(n, c) for n in OPS for c in LOWERING_CONFIGS if n == "layer_norm" or c != "bias"],
-)
 @pytest.mark.cutlass
-def test_cuda_lowering_flag_combinations(cuda, name, config):
-    config = dict(LOWERING_CONFIGS[config])
-    x, r, w, b = make_inputs(
-        name,
-        "bfloat16",
-        (3, 5, 512),
-        weight=config.pop("weight", None),
-        bias=config.pop("bias", None),
-        residual=config.pop("residual", False),
-    )
-    prenorm = config.get("prenorm", False)
-
-    def forward(x, r, w, b):
-        return call(name, x, r, w, b, **config)
-
-    def loss(x, r, w, b):
-        out = forward(x, r, w, b)
-        y, h = out if prenorm else (out, x)
-        return jnp.sum(y.astype(jnp.float32) ** 2) + jnp.sum(h.astype(jnp.float32))
-
-    assert launches(lowered(forward, x, r, w, b)) == 1
-    argnums = tuple(i for i, a in enumerate((x, r, w, b)) if a is not None)
-    assert launches(lowered(jax.grad(loss, argnums=argnums), x, r, w, b)) == 2
-    # no kernel for empty rows, nor for float64
-    empty = [None if a is None else jnp.zeros((0, *a.shape[1:]), a.dtype) for a in (x, r)]
-    assert launches(lowered(forward, *empty, w, b)) == 0
-    assert launches(lowered(jax.grad(loss, argnums=argnums), *empty, w, b)) == 0
+@pytest.mark.parametrize(
+    ("op", "mix"),
+    [(op, k) for op in OPS for k in LOWERING_MIXES if op == "layer_norm" or k != "bias"],
+)
+def test_cuda_lowering_flag_combinations(cuda, op, mix):
+    """One kernel forward, two with the backward; none for empty rows, nor for float64."""
+    mix = LOWERING_MIXES[mix]
+    f, fb = forward(op, mix), forward_backward(op, mix)
+    for shape, dtype, kernels in (((3, 5, 512), "bfloat16", 1), ((0, 512), "bfloat16", 0)):
+        args = specs(op, shape, dtype, mix)
+        assert launches(f, *args[:4]) == kernels
+        assert launches(fb, *args) == 2 * kernels
     with jax.enable_x64(True):
-        as64 = [None if a is None else a.astype(jnp.float64) for a in (x, r, w, b)]
-        assert launches(lowered(forward, *as64)) == 0
-        assert launches(lowered(jax.grad(loss, argnums=argnums), *as64)) == 0
+        args = specs(op, (3, 512), "float64", mix)
+        assert launches(f, *args[:4]) == 0
+        assert launches(fb, *args) == 0
+
+
+# -- the kernels the gpu tests launch -----------------------------------------------------------
+
+
+def prebuild_cases():
+    """(fn, shape-dtype structs) for every function the gpu tests launch kernels from."""
+    gpu = op_specs()["rms_norm"].tests["gpu"]
+    cases = []  # (op, mix name, shape, dtype) of the tests that call run_cases
+    for p in grid_cases():
+        backend, m, n, dtype, *names = p.values
+        if backend == "gpu":
+            cases += [(op, name, (m, n), dtype) for op, name in zip(OPS, names, strict=True)]
+    for op, dtype, n, name in itertools.product(OPS, gpu.dtypes, MIX_SIZES["gpu"], MIXES):
+        cases.append((op, name, (MIX_ROWS["gpu"], n), dtype))
+    for op, n, dtype in itertools.product(OPS, gpu.special, gpu.dtypes):
+        cases.append((op, SPECIAL_MIX, (8, n), dtype))
+    cases += [(op, name, shape, dtype) for op in OPS for shape, dtype, name in LEADING]
+    for op, name, shape, dtype in cases:
+        yield forward_backward(op, MIXES[name]), specs(op, shape, dtype, MIXES[name])
+
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    yield eps_norms, (SDS((2, 64), f32), SDS((64,), f32))
+    yield rounded_residual, (SDS((1, 4), bf16),) * 2
+    yield constant_row, (SDS((2, 64), bf16),) * 2 + (SDS((64,), f32),) * 2 + (SDS((2, 64), f32),)
+    yield accepted_forms, (SDS((3, 8), f32), SDS((8,), f32))
+    for op in OPS:
+        mix = MIXES["all"]
+        folded = specs(op, (VMAP_SHAPE[0] * VMAP_SHAPE[1], VMAP_SHAPE[2]), "bfloat16", mix)
+        yield forward_backward(op, mix), folded
+        rank3 = [s if s is None or s.ndim == 1 else SDS(VMAP_SHAPE, s.dtype) for s in folded]
+        yield jax.vmap(forward_backward(op, mix), in_axes=VMAP_AXES), rank3
+        yield batch_axis_1(op), rank3[:3]
+        x, w, b, _, g, _ = specs(op, PER_EXAMPLE, "float32", MIXES["fp32_params_offset"])
+        yield per_example_grads(op, False), (x, w, b, g)
+        x, w, b, r, g, _ = specs(op, VMAP_GRAD_SHAPE, "float32", VMAP_GRAD_MIX)
+        yield grad_of_vmapped(op), (x, r, w, b, g)
+        yield forward(op, mix), specs(op, JIT_SHAPE, "bfloat16", mix)[:4]
+        x, w, b = specs(op, JIT_SHAPE, "bfloat16", SIN_MIX)[:3]
+        yield sin_loss_grads(op, remat=True), (x, w, b)
+        yield sin_loss_grads(op, remat=False), (x, w, b)

@@ -1,139 +1,260 @@
-"""softmax / log_softmax through the XLA fallback (CPU): values, gradients, transforms,
-special values and bad input. The GPU kernels are checked in test_gpu_softmax.py."""
+"""softmax and log_softmax on both backends against float64 references: values and
+gradients over the SPEC's grid, the axis argument (rank 1 to 3), special values, forward
+mode, transforms (vmap, checkpoint, the Hessian), empty and float64 inputs, bad input;
+on the GPU also every device, CUDA graphs and CUDA errors.
 
+Each test checks both ops in one compiled function (compiles dominate the CPU run). The
+GPU tests launch only the kernels that ``benchmarks/prebuild.py`` builds from the SPEC's
+lowerings: forward, vjp and log_softmax's jvp at the gpu grid's sizes and dtypes.
+"""
+
+import os
 import subprocess
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checks import assert_close, backends, grid, key_for, run
 
 import quack_jax
+from quack_jax import _ffi
+from quack_jax._cache import get_kernel
+from quack_jax._primitive import kernel_arch
+from quack_jax._tiling import choose_tiling
 
-RNG = np.random.default_rng()
-TOL = {"float32": 1e-6, "bfloat16": 1e-2, "float16": 2e-3, "float64": 1e-12}
-OPS = {
-    "softmax": (quack_jax.softmax, jax.nn.softmax),
-    "log_softmax": (quack_jax.log_softmax, jax.nn.log_softmax),
-}
-
-
-def np_softmax(x, axis, log):
-    x = np.moveaxis(np.asarray(x, np.float64), axis, -1)
-    shifted = x - x.max(axis=-1, keepdims=True)
-    lse = np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    y = shifted - lse if log else np.exp(shifted - lse)
-    return np.moveaxis(y, -1, axis)
+OPS = {"softmax": quack_jax.softmax, "log_softmax": quack_jax.log_softmax}
+# (shape, axis): rank 1 to 3, the axis last, in the middle (from either end) or first
+AXES = [((1,), -1), ((7,), 0), ((2, 3, 5000), -1), ((3, 4096, 5), 1), ((4, 100, 3), -2)]
+AXES += [((7, 4, 3), 0)]
 
 
-def random(shape, dtype, scale=3.0):
-    return jnp.asarray(scale * RNG.standard_normal(shape), jnp.float32).astype(dtype)
+def random(backend, shape, dtype, *parts, scale=1.0):
+    """Normal draws times ``scale``, fresh each run (``key_for(*parts)``): numpy on the
+    CPU (jax.random compiles for every shape), jax.random on the GPU (fast for big ones)."""
+    key = key_for(*parts)
+    if backend == "gpu":
+        return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
+    return jnp.asarray((scale * rng.standard_normal(shape, np.float32)).astype(dtype))
 
 
-def assert_close(out, ref, dtype):
-    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
-    scale = np.max(np.abs(ref), initial=0.0)
-    np.testing.assert_allclose(out, ref, rtol=TOL[dtype], atol=TOL[dtype] * max(scale, 1e-30))
+def on_host(a):
+    return not isinstance(a, jax.Array) or {d.platform for d in a.devices()} == {"cpu"}
 
 
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-@pytest.mark.parametrize(
-    ("shape", "axis"),
-    [
-        ((1,), -1),
-        ((7,), 0),
-        ((3, 1000), -1),
-        ((2, 3, 5000), -1),
-        ((4, 100, 3), 1),
-        ((1, 131071), 1),
-        ((5, 1), -1),
-    ],
-)
-def test_forward_matches_float64(name, dtype, shape, axis):
-    x = random(shape, dtype)
-    out = jax.jit(OPS[name][0], static_argnums=1)(x, axis)
-    assert out.dtype == x.dtype and out.shape == x.shape
-    assert_close(out, np_softmax(x, axis, name == "log_softmax"), dtype)
+def float64(fn):
+    """A reference: ``fn(xp, *arrays)`` in float64, with numpy as ``xp`` for arrays on the
+    host (nothing to compile) and jax.numpy, jitted, for device ones (big arrays). It gives
+    for each op a tuple of results and the magnitudes their errors are judged against."""
+    jitted = jax.jit(lambda *args: fn(jnp, *(a.astype(jnp.float64) for a in args)))
+
+    def reference(*args):
+        if all(map(on_host, args)):
+            with np.errstate(invalid="ignore"):  # inf - inf is NaN, as in jax
+                return fn(np, *(np.asarray(a, np.float64) for a in args))
+        with jax.enable_x64(True):
+            return jitted(*args)
+
+    return reference
 
 
-@pytest.mark.parametrize("name", OPS)
+def softmax_rows(xp, x):
+    """softmax and log_softmax over the last axis: NaN in rows with NaN or +inf or only
+    -inf, as in jax.nn."""
+    shifted = x - xp.max(x, axis=-1, keepdims=True)
+    e = xp.exp(shifted)
+    total = xp.sum(e, axis=-1, keepdims=True)
+    return e / total, shifted - xp.log(total)
+
+
+def magnitude(xp, y):
+    """The size of y's terms: its own plus its row's largest (its shift by max and lse)."""
+    size = xp.where(xp.isfinite(y), xp.abs(y), 0.0)
+    return size + xp.max(size, axis=-1, keepdims=True, initial=0.0)
+
+
+def row_sums(xp, *arrays):
+    return [xp.sum(a, axis=-1, keepdims=True) for a in arrays]
+
+
+@float64
+def reference_vjp(xp, x, dy):
+    """Each op's value and its gradient along dy, over the last axis."""
+    p, y_log = softmax_rows(xp, x)
+    dot, dot_abs = row_sums(xp, dy * p, xp.abs(dy) * p)
+    total, total_abs = row_sums(xp, dy, xp.abs(dy))
+    return {
+        "softmax": (p, magnitude(xp, p), p * (dy - dot), p * (xp.abs(dy) + dot_abs)),
+        "log_softmax": (
+            y_log,
+            magnitude(xp, y_log),
+            dy - p * total,
+            xp.abs(dy) + p * total_abs,
+        ),
+    }
+
+
+@float64
+def reference_jvp(xp, x, t):
+    """Each op's value and its derivative along the tangent t, over the last axis."""
+    p, y_log = softmax_rows(xp, x)
+    dot, dot_abs = row_sums(xp, t * p, xp.abs(t) * p)
+    return {
+        "softmax": (p, magnitude(xp, p), p * (t - dot), p * (xp.abs(t) + dot_abs)),
+        "log_softmax": (y_log, magnitude(xp, y_log), t - dot, xp.abs(t) + dot_abs),
+    }
+
+
+@jax.jit
+def _hessians(x, w):
+    out = {}
+    for name, f in (("softmax", jax.nn.softmax), ("log_softmax", jax.nn.log_softmax)):
+        h = jax.jacfwd(jax.grad(lambda x, f=f: jnp.sum(jnp.sin(f(x)) * w)))(x)
+        out[name] = (h, magnitude(jnp, h))
+    return out
+
+
+def reference_hessian(x, w):
+    """Each op's Hessian of sum(w * sin(op(x))) for a vector x, in float64."""
+    with jax.enable_x64(True):
+        return _hessians(np.asarray(x, np.float64), np.asarray(w, np.float64))
+
+
+def forward_backward(axis=-1):
+    """Each op's value and its gradient along dy (``jax.vjp``), over ``axis``."""
+
+    def f(x, dy):
+        out = {}
+        for name, fn in OPS.items():
+            y, vjp = jax.vjp(lambda x, fn=fn: fn(x, axis), x)
+            out[name] = (y, vjp(dy)[0])
+        return out
+
+    return f
+
+
+def check(out, ref, dtype, what, **inputs):
+    """Each op's value and derivative against the reference's."""
+    for name, (y, d) in out.items():
+        y_ref, y_mag, d_ref, d_mag = ref[name]
+        assert y.dtype == d.dtype == dtype and y.shape == d.shape == y_ref.shape
+        assert_close(y, y_ref, y_mag, dtype, f"{name} {what}", **inputs)
+        assert_close(d, d_ref, d_mag, dtype, f"{name} derivative {what}", **inputs)
+
+
+@pytest.mark.parametrize(("backend", "m", "n", "dtype"), grid("softmax"))
+def test_values_and_gradients(backend, m, n, dtype):
+    x = random(backend, (m, n), dtype, m, n, dtype, scale=3.0)
+    dy = random(backend, (m, n), dtype, m, n, dtype, "dy")
+    out = run(backend, forward_backward(), x, dy, launches=4)
+    check(out, reference_vjp(x, dy), dtype, f"{m}x{n}", x=x, dy=dy)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize(("shape", "axis"), [((3, 1000), -1), ((4, 37, 3), 1)])
-def test_gradient_matches_float64(name, dtype, shape, axis):
-    x, w = random(shape, dtype), random(shape, dtype, 1.0)
-    fn = OPS[name][0]
-    grad = jax.jit(jax.grad(lambda x: jnp.sum(fn(x, axis).astype(jnp.float32) * w)))(x)
-    assert grad.dtype == x.dtype
-    y = np_softmax(x, axis, False)
-    w64 = np.asarray(w.astype(jnp.float32), np.float64)
-    if name == "log_softmax":
-        ref = w64 - y * w64.sum(axis=axis, keepdims=True)
-    else:
-        ref = y * (w64 - (w64 * y).sum(axis=axis, keepdims=True))
-    assert_close(grad, ref, dtype)
+@pytest.mark.parametrize(("shape", "axis"), AXES)
+@pytest.mark.parametrize("backend", backends())
+def test_axis(backend, shape, axis, dtype):
+    """Rank 1 to 3, the softmax axis last or moved there and back (the grid above covers
+    float16)."""
+    x = random(backend, shape, dtype, shape, axis, dtype, scale=3.0)
+    dy = random(backend, shape, dtype, shape, axis, dtype, "dy")
+    out = run(backend, forward_backward(axis), x, dy, launches=4)
+    rows = reference_vjp(*(np.moveaxis(a, axis, -1) for a in (x, dy)))
+    ref = {name: [np.moveaxis(a, -1, axis) for a in r] for name, r in rows.items()}
+    check(out, ref, dtype, f"{shape} axis={axis}")
 
 
-@pytest.mark.parametrize("name", OPS)
-def test_matches_jax_nn_with_transforms(name):
-    ours, theirs = OPS[name]
-    x = random((6, 5, 300), "float32")
-
-    def loss(fn):
-        return lambda x: jnp.sum(jnp.sin(fn(x)))
-
-    np.testing.assert_allclose(
-        jax.vmap(ours, 1, 1)(x), jax.vmap(theirs, 1, 1)(x), rtol=2e-5, atol=4e-6
-    )
-    np.testing.assert_allclose(
-        jax.jit(jax.grad(loss(jax.checkpoint(ours))))(x),
-        jax.grad(loss(theirs))(x),
-        rtol=2e-5,
-        atol=4e-6,
-    )
-    np.testing.assert_allclose(
-        jax.vmap(jax.grad(loss(ours)), in_axes=2)(x),
-        jax.vmap(jax.grad(loss(theirs)), in_axes=2)(x),
-        rtol=2e-5,
-        atol=4e-6,
-    )
-    hessian = jax.jacfwd(jax.grad(loss(ours)))(x[0, 0, :16])
-    np.testing.assert_allclose(hessian, jax.jacfwd(jax.grad(loss(theirs)))(x[0, 0, :16]), atol=1e-5)
-
-
-@pytest.mark.parametrize("name", OPS)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_special_values_like_jax_nn(name, dtype):
+@pytest.mark.parametrize(("backend", "n", "dtype"), grid("softmax", special=True))
+def test_special_values(backend, n, dtype):
+    """NaN, +-inf and large values propagate as in jax.nn (float64)."""
     big = 6e4 if dtype == "float16" else 1e4
-    x = np.array(3.0 * RNG.standard_normal((8, 40)), np.float32)
-    x[0, 20] = np.nan
-    x[1, 13] = np.inf
+    x = np.array(random(backend, (8, n), "float32", n, dtype, scale=3.0))
+    x[0, n // 2] = np.nan
+    x[1, n // 3] = np.inf
     x[2, :] = -np.inf
     x[3, ::2] = -np.inf
     x[4, :] = big
-    x[5, -1] = big
+    x[5, n - 1] = big
     x[6, :] = -big
-    x = jnp.asarray(x).astype(dtype)
-    ours, theirs = OPS[name]
-    out = np.asarray(ours(x).astype(jnp.float32))
-    ref = np.asarray(theirs(x.astype(jnp.float32)))
-    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
-    np.testing.assert_allclose(out, ref, rtol=TOL[dtype], atol=TOL[dtype] * 10)
+    x = jnp.asarray(x.astype(jnp.dtype(dtype)))
+    dy = random(backend, x.shape, dtype, n, dtype, "dy")
+    out = run(backend, forward_backward(), x, dy, launches=4)
+    check(out, reference_vjp(x, dy), dtype, f"special values n={n}", x=x)
 
 
-@pytest.mark.parametrize("shape", [(0, 16), (3, 0), (2, 0, 5)])
-def test_empty(shape):
-    x = jnp.zeros(shape, jnp.bfloat16)
-    assert quack_jax.softmax(x).shape == shape
-    assert jax.grad(lambda x: jnp.sum(quack_jax.log_softmax(x)))(x).shape == shape
+@pytest.mark.parametrize(
+    ("backend", "n", "dtype"), grid("softmax", special=True, dtypes=("float32", "bfloat16"))
+)
+def test_jvp(backend, n, dtype):
+    x = random(backend, (1000, n), dtype, "jvp", n, dtype, scale=3.0)
+    t = random(backend, (1000, n), dtype, "jvp", n, dtype, "t")
+
+    def f(x, t):
+        return {name: jax.jvp(fn, (x,), (t,)) for name, fn in OPS.items()}
+
+    out = run(backend, f, x, t, launches=4)
+    check(out, reference_jvp(x, t), dtype, f"jvp n={n}", x=x, t=t)
 
 
-def test_float64_uses_reference():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", backends())
+def test_transforms(backend, dtype):
+    """vmap over either axis, checkpoint, and the Hessian (forward over reverse: kernels
+    and the derivative's XLA reference together)."""
+    x = random(backend, (6, 7, 100), dtype, "transforms", dtype, scale=3.0)
+    w = random(backend, (6, 7, 100), dtype, "transforms", dtype, "w")
+
+    def loss(f, outer=lambda y: y):
+        return lambda x, w: jnp.sum(outer(f(x).astype(jnp.float32)) * w.astype(jnp.float32))
+
+    def f(x, w):
+        # the Hessian in float32: in 16 bits a log-probability is too coarse to take sin of
+        x1, w1 = x[0, 0, :7].astype(jnp.float32), w[0, 0, :7].astype(jnp.float32)
+        out = {}
+        for name, fn in OPS.items():
+            rows = jax.vmap(jax.checkpoint(fn), in_axes=1, out_axes=1)  # rows of 100
+            columns = jax.vmap(jax.grad(loss(fn)), in_axes=2)  # rows of 7, batch first
+            out[name] = (
+                rows(x),
+                jax.grad(loss(rows))(x, w),
+                columns(x, w),
+                jax.jacfwd(jax.grad(loss(fn, jnp.sin)))(x1, w1),
+            )
+        return out
+
+    # per op: the forward, two backwards, and in the Hessian the forward and its jvp
+    out = run(backend, f, x, w, launches=10)
+    along_rows = reference_vjp(x, w)
+    along_columns = reference_vjp(*(np.moveaxis(a, 1, -1) for a in (x, w)))
+    hessian = reference_hessian(x[0, 0, :7], w[0, 0, :7])
+    for name, (y, g, g_columns, h) in out.items():
+        y_ref, y_mag, g_ref, g_mag = along_rows[name]
+        assert_close(y, y_ref, y_mag, dtype, f"{name} vmap and checkpoint")
+        assert_close(g, g_ref, g_mag, dtype, f"{name} grad through vmap and checkpoint")
+        g_ref, g_mag = (np.moveaxis(a, 1, 0) for a in along_columns[name][2:])
+        assert_close(g_columns, g_ref, g_mag, dtype, f"{name} vmap of grad")
+        assert_close(h, *hessian[name], "float32", f"{name} hessian")
+
+
+@pytest.mark.parametrize("shape", [(0, 1024), (3, 0), (2, 0, 7)])
+@pytest.mark.parametrize("backend", backends())
+def test_empty(backend, shape):
+    x = jnp.ones(shape, jnp.bfloat16)
+    out = run(backend, forward_backward(), x, x, launches=0)
+    for y, dx in out.values():
+        assert y.shape == dx.shape == shape and y.dtype == dx.dtype == x.dtype
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_float64_uses_reference(backend):
     with jax.enable_x64(True):
-        x = jnp.asarray(RNG.standard_normal((3, 50)))
-        assert quack_jax.softmax(x).dtype == jnp.float64
-        np.testing.assert_allclose(quack_jax.softmax(x), np_softmax(x, -1, False), rtol=1e-12)
+        x = jax.random.normal(key_for("float64"), (3, 50), jnp.float64)
+        dy = jax.random.normal(key_for("float64", "dy"), (3, 50), jnp.float64)
+        out = run(backend, forward_backward(), x, dy, launches=0)
+    check(out, reference_vjp(x, dy), "float64", "float64")
 
 
 @pytest.mark.parametrize(
@@ -153,8 +274,9 @@ def test_float64_uses_reference():
     ],
 )
 @pytest.mark.parametrize("name", OPS)
-def test_bad_input(name, args, error, message):
-    fn = OPS[name][0]
+@pytest.mark.parametrize("backend", backends())
+def test_bad_input(backend, name, args, error, message):
+    fn = OPS[name]
     with pytest.raises(error, match=f"{name}: {message}"):
         fn(*args)
     if isinstance(args[0], jax.Array):  # the same error at trace time under jit
@@ -165,3 +287,92 @@ def test_bad_input(name, args, error, message):
 def test_import_does_not_load_cutlass():
     code = "import quack_jax, sys; assert 'cutlass' not in sys.modules, 'cutlass imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.gpu
+def test_every_gpu():
+    x = jax.random.normal(key_for("devices"), (1000, 65536), jnp.float32)
+    for device in [d for d in jax.devices("cuda") if kernel_arch(d)]:
+        xd = jax.device_put(x, device)
+        y = jax.jit(quack_jax.softmax)(xd)
+        assert y.devices() == {device}
+        assert_close(y, *reference_vjp(x, x)["softmax"][:2], "float32", f"on {device}")
+
+
+COMMAND_BUFFER_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, quack_jax
+    from quack_jax import _ffi
+    def f(x, dy):
+        y, vjp = jax.vjp(quack_jax.softmax, x)
+        return y, vjp(dy)[0], quack_jax.log_softmax(x)
+    x = jax.random.normal(jax.random.key(1), (1000, 65536), jnp.float32).astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), x.shape, jnp.float32).astype(jnp.bfloat16)
+    compiled = jax.jit(f).lower(x, dy).compile()
+    for _ in range(3):
+        y, dx, ly = compiled(x, dy)
+    jax.block_until_ready((y, dx, ly))
+    print("launches captured in CUDA graphs:", _ffi.captured_launches() > 0)
+    x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+    y_ref, vjp = jax.vjp(jax.nn.softmax, x32)
+    for out, ref in ((y, y_ref), (dx, vjp(dy32)[0]), (ly, jax.nn.log_softmax(x32))):
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+        scale = float(jnp.max(jnp.abs(ref)))
+        assert err <= 1e-2 * scale, (err, scale)
+    print("OK")
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1",
+        "--xla_gpu_enable_command_buffer=",
+    ],
+    ids=["command_buffers_on", "command_buffers_off"],
+)
+def test_command_buffers(flags):
+    env = dict(os.environ, XLA_FLAGS=flags)
+    result = subprocess.run(
+        [sys.executable, "-c", COMMAND_BUFFER_SCRIPT], env=env, capture_output=True, text=True
+    )
+    print(result.stdout, result.stderr[-3000:])
+    assert result.returncode == 0 and "OK" in result.stdout
+    expected = "command_buffer=FUSION" in flags
+    assert f"launches captured in CUDA graphs: {expected}" in result.stdout
+
+
+@pytest.mark.gpu
+def test_cuda_errors_are_python_exceptions():
+    _ffi.register_target()
+    x = jnp.ones((32, 1024), jnp.float32)
+    call = jax.ffi.ffi_call(_ffi.TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    tiling = choose_tiling("softmax_fwd", 1024, 4)
+    kernel = get_kernel("softmax_fwd", "float32", tiling, "sm_90a")
+
+    def launch_attrs(**changes):
+        attrs = dict(
+            cubin=np.frombuffer(kernel.cubin, np.uint8),
+            cubin_hash=kernel.digest,
+            kernel=kernel.symbol,
+            grid=np.array(tiling.grid(32)),
+            block=np.array(tiling.block),
+            cluster=np.array(tiling.cluster),
+            smem=kernel.smem_bytes,
+            scalars=np.array([32], np.int32),
+            poison=0,
+        )
+        return attrs | changes
+
+    garbage = launch_attrs(
+        cubin=np.frombuffer(b"not a cubin at all", np.uint8), cubin_hash=1, kernel="broken_kernel"
+    )
+    with pytest.raises(Exception, match=r"broken_kernel.*cuModuleLoadData.*CUDA_ERROR"):
+        jax.block_until_ready(jax.jit(lambda x: call(x, **garbage))(x))
+    too_big = launch_attrs(block=np.array([4096, 1, 1]))
+    with pytest.raises(Exception, match=r"cuLaunchKernelEx.*CUDA_ERROR_INVALID_VALUE"):
+        jax.block_until_ready(jax.jit(lambda x: call(x, **too_big))(x))
+    good = jax.jit(lambda x: call(x, **launch_attrs()))(x)
+    np.testing.assert_allclose(np.asarray(good), 1.0 / 1024, rtol=1e-6)

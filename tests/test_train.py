@@ -7,6 +7,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from checks import assert_close
 
 pytest.importorskip("flax")
 pytest.importorskip("optax")
@@ -38,9 +39,10 @@ def test_tiny_training_run(tmp_path, train_lm):
     # the fused head and loss: one op, one part, no logits
     assert "lm_head_cross_entropy" in fused["profile"]
     assert not {"cross_entropy", "lm_head"} & fused["profile"].keys()
-    np.testing.assert_allclose(quack["loss"], stock["loss"], rtol=2e-3)
-    np.testing.assert_allclose(fused["loss"], stock["loss"], rtol=2e-3)
-    np.testing.assert_allclose(fused["loss"], quack["loss"], rtol=1e-3)
+    # bfloat16 activations: the variants' losses agree to bfloat16's tolerance
+    for a, b in (("quack", "stock"), ("quack_jax_fused", "stock"), ("quack_jax_fused", "quack")):
+        ref = np.array(result["runs"][b]["loss"])
+        assert_close(result["runs"][a]["loss"], ref, np.abs(ref), "bfloat16", f"{a} vs {b} loss")
     report = (tmp_path / "train_tiny.md").read_text()
     assert "XLA fallback" in report and "quack_jax over stock" in report
     assert "quack_jax_fused over stock" in report and "| quack_jax_fused |" in report
