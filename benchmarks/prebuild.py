@@ -10,9 +10,9 @@ Every kernel is built by lowering, for an sm_90a CUDA device on this machine, th
 functions that launch it: the benchmark's quack_jax functions (and, with ``--tune``, each
 tuned kernel under each candidate tiling), the softmax GPU tests' sizes through the op
 registry's build functions, and the cases that the test modules with GPU tests,
-``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``. Lowering takes each
-kernel from the cache and compiles the missing ones, so exactly the kernels (variants,
-tilings) those functions launch get built.
+``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``.
+Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
+kernels (variants, tilings) those functions launch get built.
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """

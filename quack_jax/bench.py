@@ -64,6 +64,7 @@ TUNE_BYTES = 2e9  # tuning ranks candidates, so it can afford a larger dispatch 
 MEMORY_BUDGET = 60e9
 CALLS_PER_SAMPLE = 3
 
+
 def benchmarks() -> dict[str, Benchmark]:
     """Each op family's benchmarks (its ``SPEC.benchmarks``), by name."""
     return {
