@@ -155,8 +155,8 @@ def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
         # the gradient of sum(gl * loss + gs * lse) with respect to the logits
         a = gs + np.where(gl == 0, 0.0, gl * (1 + 2 * zl * lse))
         slope = 1 - (x / cap) ** 2 if cap else 1.0
-        dz = a[:, None] * p - (gl * (1 - s))[:, None] * hit - (gl * s / v)[:, None]
-        dz = dz * slope
+        dz_capped = a[:, None] * p - (gl * (1 - s))[:, None] * hit - (gl * s / v)[:, None]
+        dz = dz_capped * slope
         dz[(gl == 0) & (gs == 0)] = 0.0
         dz[outside & (gl != 0)] = np.nan
         dz = rounded(dz, dtype)
@@ -176,6 +176,8 @@ def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
         row = row + np.sum(dloss * u, -1) / loss_tol
         moved = (np.abs(gl) * big + np.abs(gs))[:, None] * p
         moved = moved * (u + np.sum(p * u, -1, keepdims=True))
+        if cap:  # the rounding also moves the softcap's slope, by 2 x slope / cap^2 per unit
+            moved = moved + np.abs(dz_capped * 2 * x * slope / cap**2) * u
         adz = np.abs(dz) + moved / TOL[dtype.name]
         adw = np.abs(h64).T @ adz
         mags = {
