@@ -21,29 +21,25 @@ FAMILIES = [
 ]
 
 
+def families() -> list[OpSpec]:
+    """Each family's spec, in ``FAMILIES`` order."""
+    return [importlib.import_module(family).SPEC for family in FAMILIES]
+
+
 def specs() -> dict[str, OpSpec]:
     """Each public op, and its family's spec."""
-    out = {}
-    for family in FAMILIES:
-        spec = importlib.import_module(family).SPEC
-        out |= dict.fromkeys(spec.ops, spec)
-    return out
+    return {op: spec for spec in families() for op in spec.ops}
 
 
 def kernel_configs() -> dict[str, type]:
     """Each kernel op (``KernelConfig.kernels``), and its configuration class."""
-    return {
-        op: config
-        for spec in dict.fromkeys(specs().values())
-        for config in spec.configs
-        for op in config.kernels
-    }
+    return {op: config for spec in families() for config in spec.configs for op in config.kernels}
 
 
 def public_ops(kernel_op: str) -> tuple[str, ...]:
     """The public ops whose build makes the kernel op: the one it is named after (``rms_norm``
     for ``rms_norm_fwd``), else every op of its family."""
-    for spec in dict.fromkeys(specs().values()):
+    for spec in families():
         if any(kernel_op in config.kernels for config in spec.configs):
             return tuple(op for op in spec.ops if kernel_op.startswith(op + "_")) or spec.ops
     raise KeyError(f"no op family has a kernel {kernel_op!r}")

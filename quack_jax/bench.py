@@ -69,7 +69,7 @@ def benchmarks() -> dict[str, Benchmark]:
     """Each op family's benchmarks (its ``SPEC.benchmarks``), by name."""
     return {
         benchmark.name: benchmark
-        for spec in dict.fromkeys(_registry.specs().values())
+        for spec in _registry.families()
         for benchmark in (spec.benchmarks() if spec.benchmarks else ())
     }
 
