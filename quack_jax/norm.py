@@ -22,6 +22,7 @@ from jax import lax
 
 from ._checks import float_array, static_float
 from ._configs import KernelConfig, option, scalar
+from ._implementation import use_xla
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import RowwisePrimitive, Target, compute_dtype, persistent_call, row_tiling
 from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
@@ -278,10 +279,12 @@ def _norm(x, residual, weight, bias, cfg):
     return _norm_forward(x, residual, weight, bias, cfg)[0]
 
 
-def _norm_forward(x, residual, weight, bias, cfg):
+def _norm_forward(x, residual, weight, bias, cfg, forward=_forward.bind):
+    """The public results and the residuals of the backward, by ``forward`` (the
+    primitive or its reference)."""
     rms, eps, offset, out_dtype, prenorm, _ = cfg
     operands = [a for a in (x, residual, weight, bias) if a is not None]
-    outs = _forward.bind(
+    outs = forward(
         *operands,
         rms=rms,
         eps=eps,
@@ -336,7 +339,9 @@ def _vector(fn: str, name: str, v, x):
     return v
 
 
-def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype):
+def _apply(
+    fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype, implementation
+):
     x = float_array(fn, "x", x)
     weight = _vector(fn, "weight", weight, x)
     bias = _vector(fn, "bias", bias, x)
@@ -367,6 +372,8 @@ def _apply(fn, rms, x, weight, bias, eps, residual, prenorm, weight_offset, out_
             )
     cfg = (rms, eps, offset, out.name, prenorm, residual is not None)
     weight, bias = (varying_like(x, v) for v in (weight, bias))
+    if use_xla(fn, implementation):
+        return _norm_forward(x, residual, weight, bias, cfg, _reference_forward)[0]
     return _norm(x, residual, weight, bias, cfg)
 
 
@@ -379,6 +386,7 @@ def rms_norm(
     prenorm: bool = False,
     weight_offset: float = 0.0,
     out_dtype=None,
+    implementation: str | None = None,
 ):
     """RMSNorm over the last axis: ``h * rsqrt(mean(h**2) + eps) * (weight + weight_offset)``.
 
@@ -392,15 +400,18 @@ def rms_norm(
       prenorm: also return h, the residual stream of a pre-norm block.
       weight_offset: added to the weight (1.0 for Gemma's ``(1 + w)`` scaling).
       out_dtype: dtype of the result (default x's).
+      implementation: None (the kernels on a CUDA sm_90 device, the XLA fallback
+        elsewhere) or "xla": a plain jnp formulation that JAX differentiates, with no
+        quack_jax primitive in the program (to bisect a numerics difference). None
+        follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
 
     Returns:
       y, or ``(y, h)`` with ``prenorm``. ``jax.grad`` runs one backward kernel for dx
       (and the residual's gradient, the same array) and the weight gradient, reduced
       over all rows without atomics, so it is the same on every run.
     """
-    return _apply(
-        "rms_norm", True, x, weight, None, eps, residual, prenorm, weight_offset, out_dtype
-    )
+    options = eps, residual, prenorm, weight_offset, out_dtype, implementation
+    return _apply("rms_norm", True, x, weight, None, *options)
 
 
 def layer_norm(
@@ -413,6 +424,7 @@ def layer_norm(
     prenorm: bool = False,
     weight_offset: float = 0.0,
     out_dtype=None,
+    implementation: str | None = None,
 ):
     """LayerNorm over the last axis:
     ``(h - mean) * rsqrt(var + eps) * (weight + weight_offset) + bias``.
@@ -420,9 +432,8 @@ def layer_norm(
     The variance is the mean squared deviation from the mean (not ``E[h^2] - mean^2``).
     Arguments as for :func:`rms_norm`, plus ``bias`` of shape (n,), float32 or x's dtype.
     """
-    return _apply(
-        "layer_norm", False, x, weight, bias, eps, residual, prenorm, weight_offset, out_dtype
-    )
+    options = eps, residual, prenorm, weight_offset, out_dtype, implementation
+    return _apply("layer_norm", False, x, weight, bias, *options)
 
 
 NORM_MIXES = ((False, False), (True, False), (True, True))  # (residual, prenorm)

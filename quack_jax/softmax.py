@@ -21,6 +21,7 @@ from jax.interpreters import ad
 
 from ._checks import axis_index, float_array
 from ._configs import KernelConfig
+from ._implementation import use_xla
 from ._partition import WHOLE
 from ._primitive import RowwisePrimitive, compute_dtype, kernel_call, row_tiling
 from ._spec import (
@@ -121,16 +122,17 @@ _derivative = RowwisePrimitive(
 )
 
 
-def _apply(fn: str, x, axis, log: bool):
+def _apply(fn: str, x, axis, log: bool, implementation):
     x = float_array(fn, "x", x)
     axis = axis_index(fn, axis, x.ndim)
+    forward = _reference_forward if use_xla(fn, implementation) else _forward.bind
     if axis == x.ndim - 1:
-        return _forward.bind(x, log=log)[0]
+        return forward(x, log=log)[0]
     rows = jnp.moveaxis(x, axis, -1)
-    return jnp.moveaxis(_forward.bind(rows, log=log)[0], -1, axis)
+    return jnp.moveaxis(forward(rows, log=log)[0], -1, axis)
 
 
-def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+def softmax(x: jax.Array, axis: int = -1, *, implementation: str | None = None) -> jax.Array:
     """Softmax over ``axis``: ``exp(x - max) / sum(exp(x - max))``.
 
     Args:
@@ -138,21 +140,25 @@ def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
         reference). Math is in float32; the result has ``x``'s dtype and shape.
       axis: the axis to normalise over. The last axis is fastest; any other is moved
         last and back, which costs a transpose on each side.
+      implementation: None (the kernels on a CUDA sm_90 device, the XLA fallback
+        elsewhere) or "xla": a plain jnp formulation that JAX differentiates, with no
+        quack_jax primitive in the program (to bisect a numerics difference). None
+        follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
 
     NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
     or only -inf, gives NaN). Differentiable to any order; ``jax.grad`` runs one fused
     backward kernel ``dx = y * (dy - sum(dy * y))`` that recomputes y from x.
     """
-    return _apply("softmax", x, axis, log=False)
+    return _apply("softmax", x, axis, False, implementation)
 
 
-def log_softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+def log_softmax(x: jax.Array, axis: int = -1, *, implementation: str | None = None) -> jax.Array:
     """Log-softmax over ``axis``: ``x - max - log(sum(exp(x - max)))``.
 
     Same arguments, dtypes and special values as :func:`softmax`; ``jax.grad`` runs one
     fused backward kernel ``dx = dy - softmax(x) * sum(dy)``.
     """
-    return _apply("log_softmax", x, axis, log=True)
+    return _apply("log_softmax", x, axis, True, implementation)
 
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
