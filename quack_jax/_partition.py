@@ -26,9 +26,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 ROWS, STAT, VECTOR = "rows", "stat", "vector"
+NO_MESH = AbstractMesh((), ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,12 +173,16 @@ def partitioned(
         axes = tuple(name for a in lead for name in names(a))
 
         def lower(*operands):
-            outs = list(local(*operands))
-            if axes:
-                outs = [
-                    jax.lax.psum(o, axes) if r == VECTOR else o
-                    for o, r in zip(outs, roles_out, strict=True)
-                ]
+            # traced as XLA compiles, maybe under the caller's mesh, whose explicit axes
+            # would give the values made here (constants) sharding constraints that reach
+            # the backend: each device's function has no mesh
+            with jax.sharding.use_abstract_mesh(NO_MESH):
+                outs = list(local(*operands))
+                if axes:
+                    outs = [
+                        jax.lax.psum(o, axes) if r == VECTOR else o
+                        for o, r in zip(outs, roles_out, strict=True)
+                    ]
             return tuple(outs)
 
         return mesh, lower, tuple(out_shardings), tuple(arg_shardings)
