@@ -1,13 +1,17 @@
 """Everything about building that runs without a GPU: every kernel the GPU tests and the
 benchmarks use compiles to an sm_90a cubin; the cache; the build command; the FFI
-library; and the lowering that launches a kernel when compiling for a CUDA device."""
+library; the wheel; and the lowering that launches a kernel when compiling for a CUDA device."""
 
 import base64
 import json
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -225,6 +229,35 @@ def test_ffi_library_builds_without_cuda(tmp_path):
     symbols = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
     assert exported == {"QuackJaxLaunch", "QuackJaxLaunchInitialize", "QuackJaxCapturedLaunches"}
+
+
+@pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="manylinux: x86_64 only")
+def test_wheel_is_manylinux_and_licensed(tmp_path):
+    """`pip wheel .` makes one py3-none-manylinux wheel carrying the license, and its
+    library asks for no glibc symbol newer than the tag's floor and for no libstdc++."""
+    source = tmp_path / "source"  # a copy, so no earlier build is reused
+    stale = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "*.so", "__pycache__")
+    shutil.copytree(ROOT, source, ignore=stale)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path, source],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    name, version, python, abi, platform = wheel.stem.split("-")
+    assert (python, abi) == ("py3", "none")
+    floor = re.fullmatch(r"manylinux_(\d+)_(\d+)_x86_64", platform)
+    assert floor, platform
+    dist_info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
+        assert "License-Expression: Apache-2.0" in archive.read(f"{dist_info}/METADATA").decode()
+        library = archive.extract("quack_jax/libquack_jax_ffi.so", tmp_path)
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump is needed to read the library's symbol versions")
+    symbols = subprocess.run(["objdump", "-T", library], capture_output=True, text=True).stdout
+    glibc = {tuple(map(int, v.split("."))) for v in re.findall(r"\(GLIBC_([\d.]+)\)", symbols)}
+    assert glibc and max(glibc) <= tuple(map(int, floor.groups())), sorted(glibc)
+    assert not re.findall(r"\((?:GLIBCXX|CXXABI)_[\d.]+\)", symbols)
 
 
 @pytest.mark.cutlass
