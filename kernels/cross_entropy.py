@@ -5,9 +5,10 @@ the row in registers (the CTAs of a cluster share a long row, as in softmax); th
 and the sum of exponentials travel together in one reduction round trip, with the sum of
 the logits for label smoothing. One thread per row then reads the target logit from
 global memory (just loaded, so it is in L2; with ``grad`` the thread that holds it in
-registers takes it from there instead, see below) and writes
-    lse  = max + log(sum(exp(x - max)))
-    loss = lse - (1 - smoothing) * x[label] - smoothing * mean(x) + z_loss * lse**2
+registers takes it from there instead, see below) and writes the row's statistics
+    shift = max (0 where the max is infinite),  logsum = log(sum(exp(x - shift)))
+    loss  = logsum + (1 - smoothing) * (shift - x[label]) + smoothing * (shift - mean(x))
+            + z_loss * lse**2,  lse = shift + logsum
 with loss 0 for a row whose label is ``ignore_index`` and NaN for a label outside
 [0, V). With a softcap, x is ``cap * tanh(logits / cap)`` throughout. With ``grad`` the
 forward also writes the gradient of ``sum(w * loss)`` for per-row weights w (an input),
@@ -16,14 +17,20 @@ from the row still in registers, by the backward's formula below with
 That variant reads nothing of the row after its own registers, so the gradient may be
 written over the logits (in place: the caller aliases the two buffers).
 
-Backward: given lse, no reduction is left, so the kernel is elementwise: one read of the
-logits and one write of their gradient. The caller folds the cotangents and options into
-three per-row coefficients (a for the softmax, b for the one-hot, c for the uniform
-smoothing term; all 0 on ignored rows, c NaN where an out-of-range label has a cotangent):
-    dx = a * exp(x - lse) - b * [j == label] - c
+Backward: given the statistics, no reduction is left, so the kernel is elementwise: one
+read of the logits and one write of their gradient. The caller folds the cotangents and
+options into three per-row coefficients (a for the softmax, b for the one-hot, c for the
+uniform smoothing term; all 0 on ignored rows, c NaN where an out-of-range label has a
+cotangent):
+    dx = a * exp((x - shift) - logsum) - b * [j == label] - c
 times ``1 - (x / cap)**2`` with a softcap. A zero ``a`` drops the softmax term, so an
 ignored row's gradient is 0 even where its logits are NaN. Column blocks of a long row
 go to separate CTAs (no cluster).
+
+The statistics are the pair (shift, logsum), not their sum lse: ``x - shift`` is exact
+(shift is one of the row's logits) and logsum is small, so the softmax and the loss keep
+their precision however large the logits are, where ``x - lse`` would lose the bits of
+lse's rounding (a whole unit at 1e7).
 """
 
 from __future__ import annotations
@@ -50,12 +57,14 @@ class _CrossEntropy(RowKernel):
         return x
 
     @cute.jit
-    def store_gradient(self, cta, x, label, lse, a, b, c, cap, out, pick=False):
-        """Write ``a * exp(x - lse) - b * [j == label] - c`` (times the softcap's
+    def store_gradient(self, cta, x, label, stats, a, b, c, cap, out, pick=False):
+        """Write ``a * exp((x - shift) - logsum) - b * [j == label] - c`` (times the softcap's
         derivative) for this thread's elements of x (softcapped logits); a zero ``a``
         drops the softmax term, and zero coefficients give a zero row. With ``pick``,
         returns whether this thread holds column ``label`` and x there if so (taken in the
         same pass over the elements, from registers)."""
+        shift, logsum = stats
+        log2sum = logsum * LOG2_E
         frag = cute.make_rmem_tensor(x.shape, Float32)
         held, target = cutlass.Boolean(False), Float32(0.0)
         if const_expr(pick):
@@ -66,13 +75,13 @@ class _CrossEntropy(RowKernel):
                 hit = cta.col0 + cta.tXcX[i][1] == label
                 held = held | hit
                 target = cutlass.select_(hit, frag[i], target)
-                e = a * cute.math.exp2((frag[i] - lse) * LOG2_E, fastmath=True)
+                e = a * cute.math.exp2((frag[i] - shift) * LOG2_E - log2sum, fastmath=True)
                 g = cutlass.select_(a == 0.0, Float32(0.0), e) - c
                 frag[i] = cutlass.select_(hit, g - b, g)
         else:
             frag.fill(-c)
             if a != 0.0:
-                frag.store(a * cute.math.exp2((x - lse) * LOG2_E, fastmath=True) - c)
+                frag.store(a * cute.math.exp2((x - shift) * LOG2_E - log2sum, fastmath=True) - c)
             for i in cutlass.range_constexpr(cute.size(frag)):
                 hit = cta.col0 + cta.tXcX[i][1] == label
                 frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
@@ -97,19 +106,22 @@ class CrossEntropyForward(_CrossEntropy):
     def compile_args(self):
         stat = Float32, False
         row_weights = (self.pointer(*stat),) if self.grad else (None,)
-        outputs = (self.pointer(*stat), self.pointer(*stat))
+        outputs = (self.pointer(*stat), self.pointer(*stat), self.pointer(*stat))
         outputs += (self.pointer(self.dtype),) if self.grad else (None,)
         scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0))
         labels = self.pointer(Int32, False)
         return (self.pointer(self.dtype), labels, *row_weights, *outputs, *scalars)
 
-    def row_loss(self, ploss, m, row, lse, total, ignored, outside, target, smoothing, z_loss):
-        """Write the loss of ``row`` from its lse, the target logit and the sum of its logits."""
+    def row_loss(self, ploss, m, row, stats, total, ignored, outside, target, smoothing, z_loss):
+        """Write the loss of ``row`` from its statistics, the target logit and the sum of its
+        logits."""
         n = self.tiling.n
-        loss = lse - (1.0 - smoothing) * target
+        shift, logsum = stats
+        lse = shift + logsum
+        loss = logsum + (1.0 - smoothing) * (shift - target)
         loss = loss + cutlass.select_(z_loss == 0.0, Float32(0.0), z_loss * lse * lse)
         if const_expr(self.smoothing):
-            loss = loss - smoothing * (1.0 / n) * total
+            loss = loss + smoothing * (shift - (1.0 / n) * total)
         loss = cutlass.select_(outside, Float32.nan, loss)
         per_row(ploss, m)[row] = cutlass.select_(ignored, Float32(0.0), loss)
 
@@ -120,7 +132,8 @@ class CrossEntropyForward(_CrossEntropy):
         plabels,
         pw,
         ploss,
-        plse,
+        pshift,
+        plogsum,
         pdx,
         m: Int32,
         ignore_index: Int32,
@@ -130,7 +143,7 @@ class CrossEntropyForward(_CrossEntropy):
         stream: cuda.CUstream,
     ):
         self.kernel(
-            px, plabels, pw, ploss, plse, pdx, m, ignore_index, smoothing, z_loss, cap
+            px, plabels, pw, ploss, pshift, plogsum, pdx, m, ignore_index, smoothing, z_loss, cap
         ).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
@@ -140,7 +153,8 @@ class CrossEntropyForward(_CrossEntropy):
         plabels,
         pw,
         ploss,
-        plse,
+        pshift,
+        plogsum,
         pdx,
         m: Int32,
         ignore_index: Int32,
@@ -157,14 +171,18 @@ class CrossEntropyForward(_CrossEntropy):
         row_max, row_sum, _, total = self.row_softmax(
             x, reduction, t=t, t_times_e=False, shift=finite_or_zero_inf
         )
-        lse = finite_or_zero_inf(row_max) + cute.math.log2(row_sum, fastmath=True) * LN_2
+        stats = finite_or_zero_inf(row_max), cute.math.log2(row_sum, fastmath=True) * LN_2
+        lse = stats[0] + stats[1]
         label = Int32(ignore_index)
         if cta.in_rows:
             label = per_row(plabels, m)[cta.row]
         ignored, outside = label == ignore_index, (label < 0) | (label >= n)
-        row_loss = functools.partial(self.row_loss, ploss, m, cta.row, lse, total, ignored, outside)
+        row_loss = functools.partial(
+            self.row_loss, ploss, m, cta.row, stats, total, ignored, outside
+        )
         if const_expr(self.grad):
-            self.store_stat(cta, plse, m, lse)
+            for p, value in zip((pshift, plogsum), stats, strict=True):
+                self.store_stat(cta, p, m, value)
         elif cta.in_rows and cta.first_col:
             col = cutlass.select_(outside, Int32(0), label)
             row = cute.make_tensor(
@@ -179,7 +197,8 @@ class CrossEntropyForward(_CrossEntropy):
             if const_expr(self.softcap):
                 target = cute.math.tanh(target * (1.0 / cap)) * cap
             row_loss(target, smoothing, z_loss)
-            per_row(plse, m)[cta.row] = lse
+            for p, value in zip((pshift, plogsum), stats, strict=True):
+                per_row(p, m)[cta.row] = value
         if const_expr(self.grad):
             w = self.load_stat(cta, pw, m)
             w = cutlass.select_(ignored, Float32(0.0), w)
@@ -190,7 +209,7 @@ class CrossEntropyForward(_CrossEntropy):
             # the target logit comes from registers: other threads may have overwritten
             # the row in memory by now
             held, target = self.store_gradient(
-                cta, x, label, lse, a, w * (1.0 - smoothing), c, cap, cta.destinations[0], True
+                cta, x, label, stats, a, w * (1.0 - smoothing), c, cap, cta.destinations[0], True
             )
             if cta.in_rows and cutlass.select_(outside, cta.first_col, held):
                 row_loss(target, smoothing, z_loss)
@@ -202,7 +221,7 @@ class CrossEntropyBackward(_CrossEntropy):
         self.smem_bytes = 0  # no reduction
 
     def compile_args(self):
-        stats = tuple(self.pointer(Float32, row=False) for _ in range(4))
+        stats = tuple(self.pointer(Float32, row=False) for _ in range(5))
         labels = self.pointer(Int32, row=False)
         x, dx = self.pointer(self.dtype), self.pointer(self.dtype)
         return (x, labels, *stats, dx, Int32(0), Float32(0.0))
@@ -211,19 +230,21 @@ class CrossEntropyBackward(_CrossEntropy):
         return {**super().launch_args(m), "cluster": None}  # column blocks, no cluster
 
     @cute.jit
-    def __call__(self, px, plabels, plse, pa, pb, pc, pdx, m: Int32, cap, stream: cuda.CUstream):
-        self.kernel(px, plabels, plse, pa, pb, pc, pdx, m, cap).launch(
+    def __call__(
+        self, px, plabels, pshift, plogsum, pa, pb, pc, pdx, m: Int32, cap, stream: cuda.CUstream
+    ):
+        self.kernel(px, plabels, pshift, plogsum, pa, pb, pc, pdx, m, cap).launch(
             **self.launch_args(m), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, px, plabels, plse, pa, pb, pc, pdx, m: Int32, cap):
+    def kernel(self, px, plabels, pshift, plogsum, pa, pb, pc, pdx, m: Int32, cap):
         cta = self.view(m, cute.arch.block_idx()[0], [px], [pdx])
         (x,) = self.load(cta, (0.0,))
         x = self.capped(x, cap)
         label = Int32(-1)
-        lse, a, b, c = Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)
+        shift, logsum, a, b, c = (Float32(0.0),) * 5
         if cta.in_rows:
             label = per_row(plabels, m)[cta.row]
-            lse, a, b, c = (per_row(p, m)[cta.row] for p in (plse, pa, pb, pc))
-        self.store_gradient(cta, x, label, lse, a, b, c, cap, cta.destinations[0])
+            shift, logsum, a, b, c = (per_row(p, m)[cta.row] for p in (pshift, plogsum, pa, pb, pc))
+        self.store_gradient(cta, x, label, (shift, logsum), a, b, c, cap, cta.destinations[0])

@@ -1,9 +1,12 @@
 """Cross-entropy with integer labels over the last axis (the vocabulary).
 
-``_forward`` reads the logits once and gives the per-row loss and logsumexp, and when
-asked the gradient of a weighted sum of the rows' losses, from the rows it holds.
-``_backward`` reads the logits once more and writes their gradient, from lse and three
-per-row coefficients that fold in the cotangents and the options. No (rows, vocab)
+``_forward`` reads the logits once and gives the per-row loss and the row statistics
+(shift, logsum), whose sum is the logsumexp, and when asked the gradient of a weighted
+sum of the rows' losses, from the rows it holds. ``_backward`` reads the logits once more
+and writes their gradient, from the statistics and three per-row coefficients that fold
+in the cotangents and the options. The statistics stay apart, never summed to lse before
+``exp(x - shift - logsum)``, so that large logits keep their precision (see
+kernels/cross_entropy.py). No (rows, vocab)
 float32 intermediate exists on either path. ``jax.grad`` reaches them through
 ``custom_vjp``s: a "sum" or "mean" loss takes the one-pass gradient, per-row losses (or
 lse) the two-kernel one. The reductions over rows are plain XLA on per-row values.
@@ -19,10 +22,12 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from ._checks import axis_index, float_array, static_float
 from ._configs import KernelConfig, option, scalar
-from ._partition import ROWS, STAT, role_aval
+from ._implementation import use_xla
+from ._partition import ROWS, STAT, WHOLE, role_aval
 from ._primitive import RowwisePrimitive, Target, compute_dtype, kernel_call, row_tiling
 from ._spec import (
     FWD_BWD_COLUMNS,
@@ -48,6 +53,15 @@ def _row_stat(x):
     return role_aval(x, STAT, compute_dtype(x.dtype))
 
 
+def _row_stats(x):
+    """The row statistics of x (float32 or float64) as the kernels make them: shift, the
+    max (0 where it is infinite or NaN), and ``logsum = log(sum(exp(x - shift)))``; their
+    sum is logsumexp."""
+    top = jnp.max(x, axis=-1)
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+    return shift, jnp.log(jnp.sum(jnp.exp(x - shift[..., None]), axis=-1))
+
+
 def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0):
     """The backward's per-row coefficients (see kernels/cross_entropy.py) for cotangents
     g of the loss and g_lse of lse."""
@@ -62,7 +76,7 @@ def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0)
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyForward(KernelConfig):
-    """Per-row loss and lse, and with ``grad`` the gradient of ``sum(w * loss)``."""
+    """Per-row loss and statistics, and with ``grad`` the gradient of ``sum(w * loss)``."""
 
     kernel_class = "cross_entropy:CrossEntropyForward"
     kernels: ClassVar[dict] = {"cross_entropy_fwd": {}}
@@ -77,7 +91,7 @@ class CrossEntropyForward(KernelConfig):
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyBackward(KernelConfig):
-    """dlogits from the logits, lse and per-row coefficients."""
+    """dlogits from the logits, the row statistics and per-row coefficients."""
 
     kernel_class = "cross_entropy:CrossEntropyBackward"
     kernels: ClassVar[dict] = {"cross_entropy_bwd": {}}
@@ -85,7 +99,7 @@ class CrossEntropyBackward(KernelConfig):
     cap: float = scalar(0.0)
 
 
-# -- forward: (logits, labels, [w]) -> (loss, lse, [dlogits]) ----------------------
+# -- forward: (logits, labels, [w]) -> (loss, shift, logsum, [dlogits]) -------------
 # With ``grad``, dlogits is the gradient of sum(w * loss) for per-row weights w. With
 # ``inplace`` (and ``grad``), the kernel writes dlogits over the logits: one buffer for
 # both, for callers whose logits are a temporary (linear_cross_entropy). The reference
@@ -98,42 +112,55 @@ def _pick(x, columns):
     return jnp.take_along_axis(x, index, axis=-1)[..., 0]
 
 
-def _row_loss(lse, target, mean, labels, n, *, ignore_index, smoothing, z_loss):
-    """The kernel's loss of each row from its lse, target logit and ``mean()`` of its
-    (softcapped) logits; 0 where the label is ignored, NaN where it is outside [0, n)."""
-    loss = lse - (1.0 - smoothing) * target
+def _row_loss(shift, logsum, target, mean, labels, n, *, ignore_index, smoothing, z_loss):
+    """The kernel's loss of each row from its statistics, target logit and ``mean()`` of
+    its (softcapped) logits; 0 where the label is ignored, NaN where it is outside [0, n).
+    The logits enter only as differences from shift, which are exact."""
+    loss = logsum + (1.0 - smoothing) * (shift - target)
     if z_loss:
-        loss = loss + z_loss * lse * lse
+        loss = loss + z_loss * (shift + logsum) ** 2
     if smoothing:
-        loss = loss - smoothing * mean()
+        loss = loss + smoothing * (shift - mean())
     inside = (labels >= 0) & (labels < n)
     return jnp.where(labels == ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
 
 
-def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad, inplace):
-    logits, labels = operands[:2]
+def _rows(logits, labels, cfg):
+    """The XLA formulation of the rows' loss and statistics, which JAX can differentiate
+    (``implementation="xla"``)."""
+    ignore_index, smoothing, z_loss, softcap = cfg
     x = _capped(logits, softcap)
-    n = x.shape[-1]
-    lse = jax.nn.logsumexp(x, axis=-1)
+    shift, logsum = _row_stats(x)
     loss = _row_loss(
-        lse,
+        shift,
+        logsum,
         _pick(x, labels),
         lambda: jnp.mean(x, axis=-1),
         labels,
-        n,
+        x.shape[-1],
         ignore_index=ignore_index,
         smoothing=smoothing,
         z_loss=z_loss,
     )
-    outs = [loss.astype(lse.dtype), lse]
+    return loss.astype(shift.dtype), shift, logsum
+
+
+def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad, inplace):
+    logits, labels = operands[:2]
+    loss, shift, logsum = _rows(logits, labels, (ignore_index, smoothing, z_loss, softcap))
+    n = logits.shape[-1]
+    outs = [loss, shift, logsum]
     if grad:
+        lse = shift + logsum
         a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, operands[2])
-        outs += _reference_backward(logits, labels, lse, a, b, c, softcap=softcap, inplace=inplace)
+        outs += _reference_backward(
+            logits, labels, shift, logsum, a, b, c, softcap=softcap, inplace=inplace
+        )
     return outs
 
 
 def _forward_abstract(x, *_, grad, **__):
-    return [_row_stat(x)] * 2 + [x.update(weak_type=False)] * grad
+    return [_row_stat(x)] * 3 + [x.update(weak_type=False)] * grad
 
 
 def _forward_kernel(
@@ -152,7 +179,7 @@ def _forward_kernel(
         z_loss=float(z_loss),
         cap=float(softcap or 0.0),
     )
-    return kernel_call(target, config, x, tiling, avals_out, aliases={0: 2} if inplace else None)
+    return kernel_call(target, config, x, tiling, avals_out, aliases={0: 3} if inplace else None)
 
 
 _forward = RowwisePrimitive(
@@ -160,18 +187,18 @@ _forward = RowwisePrimitive(
     kernel=_forward_kernel,
     reference=_reference_forward,
     abstract=_forward_abstract,
-    roles=lambda *, grad, **_: ((ROWS, STAT) + (STAT,) * grad, (STAT, STAT) + (ROWS,) * grad),
+    roles=lambda *, grad, **_: ((ROWS, STAT) + (STAT,) * grad, (STAT,) * 3 + (ROWS,) * grad),
     split=lambda *args, **params: _forward_split(*args, **params),
 )
 
 
-# -- backward: (logits, labels, lse, a, b, c) -> dlogits ----------------------------
+# -- backward: (logits, labels, shift, logsum, a, b, c) -> dlogits --------------------
 # ``inplace``: dlogits is written over the logits, as in the forward.
 
 
-def _reference_backward(logits, labels, lse, a, b, c, *, softcap, inplace):
+def _reference_backward(logits, labels, shift, logsum, a, b, c, *, softcap, inplace):
     x = _capped(logits, softcap)
-    p = jnp.exp(x - lse[..., None])
+    p = jnp.exp((x - shift[..., None]) - logsum[..., None])
     a, b, c = (v[..., None] for v in (a, b, c))
     hit = jnp.arange(x.shape[-1]) == labels[..., None]
     dx = jnp.where(a == 0, 0.0, a * p) - c - jnp.where(hit, b, 0.0)
@@ -195,8 +222,57 @@ _backward = RowwisePrimitive(
     "quack_jax_cross_entropy_backward",
     kernel=_backward_kernel,
     reference=_reference_backward,
-    roles=lambda **_: ((ROWS,) + (STAT,) * 5, (ROWS,)),
+    roles=lambda **_: ((ROWS,) + (STAT,) * 6, (ROWS,)),
     split=lambda *args, **params: _backward_split(*args, **params),
+)
+
+
+# -- forward mode: (t, logits, labels, shift, logsum) -> (loss tangent, lse tangent) --
+# Linear in t, the logits' tangent; its transpose is the backward kernel. It runs XLA
+# everywhere (a per-row reduction of t against the softmax); on a vocabulary split, over
+# each device's slice with psums (``row``).
+
+
+def _reference_tangent(
+    t, logits, labels, shift, logsum, *, ignore_index, smoothing, z_loss, softcap, row=WHOLE
+):
+    x = _capped(logits, softcap)
+    tx = t.astype(x.dtype)
+    if softcap is not None:
+        tx = tx * (1.0 - (x / softcap) ** 2)
+    p = jnp.exp((x - shift[..., None]) - logsum[..., None])
+    t_lse = row.sum(p * tx)[..., 0]
+    width = x.shape[-1]
+    here = labels - row.start(width)
+    held = (here >= 0) & (here < width)
+    t_target = row.sum(jnp.where(held, _pick(tx, here), 0.0)[..., None])[..., 0]
+    t_loss = t_lse - (1.0 - smoothing) * t_target
+    if z_loss:
+        t_loss = t_loss + 2.0 * z_loss * (shift + logsum) * t_lse
+    if smoothing:
+        t_loss = t_loss - smoothing * row.mean(tx)[..., 0]
+    inside = (labels >= 0) & (labels < width * row.count)
+    t_loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, t_loss, jnp.nan))
+    return [t_loss, t_lse]
+
+
+def _tangent_transpose(cts, t, logits, labels, shift, logsum, *, softcap, **cfg):
+    assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(logits)
+    g_loss, g_lse = (ad.instantiate_zeros(ct) for ct in cts)
+    n = logits.shape[-1]
+    args = (cfg["ignore_index"], cfg["smoothing"], cfg["z_loss"], shift + logsum)
+    a, b, c = _coefficients(labels, n, *args, g_loss, g_lse)
+    (dt,) = _backward.bind(logits, labels, shift, logsum, a, b, c, softcap=softcap, inplace=False)
+    return [dt, None, None, None, None]
+
+
+_tangent = RowwisePrimitive(
+    "quack_jax_cross_entropy_tangent",
+    kernel=lambda *_, **__: None,
+    reference=_reference_tangent,
+    abstract=lambda t, x, *_, **__: [_row_stat(x)] * 2,
+    transpose=_tangent_transpose,
+    roles=lambda **_: ((ROWS, ROWS, STAT, STAT, STAT), (STAT, STAT)),
 )
 
 
@@ -205,9 +281,10 @@ _backward = RowwisePrimitive(
 
 def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inplace):
     """The forward on one device's slice of the vocabulary (``row``): the slices'
-    logsumexp combined with pmax and psum, the target logit from the slice that holds it,
-    then the loss. With ``grad``, the gradient comes from the backward kernel on the
-    slice, which needs the combined lse. For a whole row, the forward kernel alone."""
+    statistics combined with pmax and psum, the target logit from the slice that holds
+    it, then the loss. With ``grad``, the gradient comes from the backward kernel on the
+    slice, which needs the combined statistics. For a whole row, the forward kernel
+    alone."""
     axes = row.axes
 
     def local(logits, labels, *weights):
@@ -217,7 +294,7 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
         width = logits.shape[-1]
         n = width * row.count
         here = labels - row.start(width)
-        _, lse_slice = _forward.bind(
+        _, shift_slice, logsum_slice = _forward.bind(
             logits,
             jnp.full_like(labels, ignore_index),
             ignore_index=ignore_index,
@@ -227,14 +304,16 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
             grad=False,
             inplace=False,
         )
-        top = jax.lax.pmax(lse_slice, axes)
-        shift = jnp.where(jnp.isfinite(top), top, 0.0)
-        lse = shift + jnp.log(jax.lax.psum(jnp.exp(lse_slice - shift), axes))
+        # the slices' shifts are finite: the row's is their max, and each slice's sum of
+        # exponentials is rescaled to it
+        shift = jax.lax.pmax(shift_slice, axes)
+        logsum = jnp.log(jax.lax.psum(jnp.exp(shift_slice - shift + logsum_slice), axes))
         x = _capped(logits, softcap)
         held = (here >= 0) & (here < width)
         target = jax.lax.psum(jnp.where(held, _pick(x, here), 0.0), axes)
         loss = _row_loss(
-            lse,
+            shift,
+            logsum,
             target,
             lambda: row.mean(x)[..., 0],
             labels,
@@ -243,10 +322,13 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
             smoothing=smoothing,
             z_loss=z_loss,
         )
-        outs = [loss, lse]
+        outs = [loss, shift, logsum]
         if grad:
+            lse = shift + logsum
             a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, weights[0])
-            outs += _backward.bind(logits, here, lse, a, b, c, softcap=softcap, inplace=inplace)
+            outs += _backward.bind(
+                logits, here, shift, logsum, a, b, c, softcap=softcap, inplace=inplace
+            )
         return outs
 
     return local
@@ -255,18 +337,23 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
 def _backward_split(row, *, softcap, inplace):
     """The backward on one device's slice: the label's column counted from the slice."""
 
-    def local(logits, labels, lse, a, b, c):
+    def local(logits, labels, *stats_and_coefficients):
         here = labels - row.start(logits.shape[-1])
-        return _backward.bind(logits, here, lse, a, b, c, softcap=softcap, inplace=inplace)
+        return _backward.bind(
+            logits, here, *stats_and_coefficients, softcap=softcap, inplace=inplace
+        )
 
     return local
 
 
 # -- differentiation ----------------------------------------------------------------
-# Per-row losses (reduction "none", or lse wanted): the backward kernel reads the logits
-# again once the cotangents are known. A sum or mean alone: its rows' cotangents are
-# known up to one scalar factor in the forward, which writes the gradient from the row in
-# registers; the backward scales it (a multiply by 1 under jax.grad, which XLA removes).
+# ``custom_jvp``s whose tangents are linear in the logits' tangent, so that reverse mode
+# transposes them and forward mode runs them. Per-row losses (reduction "none", or lse
+# wanted): the tangent is ``_tangent``, whose transpose is the backward kernel, which
+# reads the logits again once the cotangents are known. A sum or mean alone: its rows'
+# cotangents are known up to one scalar factor in the forward, which writes the gradient
+# from the row in registers; the tangent is its inner product with the logits' tangent,
+# whose transpose scales it (a multiply by 1 under jax.grad, which XLA removes).
 
 
 def _bind_forward(logits, labels, cfg, *weights, inplace=False):
@@ -285,27 +372,29 @@ def _bind_forward(logits, labels, cfg, *weights, inplace=False):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _per_row(logits, labels, cfg):
-    return tuple(_bind_forward(logits, labels, cfg))
+    loss, shift, logsum = _bind_forward(logits, labels, cfg)
+    return loss, shift + logsum
 
 
-def _per_row_forward(logits, labels, cfg):
-    loss, lse = _bind_forward(logits, labels, cfg)
-    return (loss, lse), (logits, labels, lse)
-
-
-def _per_row_backward(cfg, saved, cotangents):
+@_per_row.defjvp
+def _per_row_jvp(cfg, primals, tangents):
+    logits, labels = primals
     ignore_index, smoothing, z_loss, softcap = cfg
-    logits, labels, lse = saved
-    g_loss, g_lse = cotangents
-    n = logits.shape[-1]
-    a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g_loss, g_lse)
-    (dlogits,) = _backward.bind(logits, labels, lse, a, b, c, softcap=softcap, inplace=False)
-    return dlogits, None
-
-
-_per_row.defvjp(_per_row_forward, _per_row_backward)
+    loss, shift, logsum = _bind_forward(logits, labels, cfg)
+    tangent = _tangent.bind(
+        tangents[0],
+        logits,
+        labels,
+        shift,
+        logsum,
+        ignore_index=ignore_index,
+        smoothing=smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+    )
+    return (loss, shift + logsum), tuple(tangent)
 
 
 def _row_weights(labels, ignore_index, mean: bool):
@@ -322,26 +411,36 @@ def _reduce(loss, labels, ignore_index, mean: bool):
     return total / jnp.sum(labels != ignore_index).astype(loss.dtype) if mean else total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def _reduced(logits, labels, cfg, mean):
-    loss, _ = _bind_forward(logits, labels, cfg)
+    loss, *_ = _bind_forward(logits, labels, cfg)
     return _reduce(loss, labels, cfg[0], mean)
 
 
-def _reduced_forward(logits, labels, cfg, mean):
+@_reduced.defjvp
+def _reduced_jvp(cfg, mean, primals, tangents):
+    logits, labels = primals
     weights = _row_weights(labels, cfg[0], mean)
-    loss, _, dlogits = _bind_forward(logits, labels, cfg, weights)
-    return _reduce(loss, labels, cfg[0], mean), dlogits
-
-
-def _reduced_backward(cfg, mean, dlogits, g):
-    return (dlogits * g).astype(dlogits.dtype), None
-
-
-_reduced.defvjp(_reduced_forward, _reduced_backward)
+    loss, _, _, dlogits = _bind_forward(logits, labels, cfg, weights)
+    dtype = compute_dtype(logits.dtype)
+    tangent = jnp.sum(dlogits.astype(dtype) * tangents[0].astype(dtype))
+    return _reduce(loss, labels, cfg[0], mean), tangent
 
 
 # -- the public functions -----------------------------------------------------------
+
+
+def finish(loss, lse, labels, cfg, reduction, return_lse):
+    """The per-row ``loss`` reduced as asked, with ``lse`` if asked."""
+    if reduction != "none":
+        loss = _reduce(loss, labels, cfg[0], reduction == "mean")
+    return (loss, lse) if return_lse else loss
+
+
+def xla_formulation(logits, labels, cfg, reduction, return_lse):
+    """The cross-entropy as plain XLA that JAX differentiates (``implementation="xla"``)."""
+    loss, shift, logsum = _rows(logits, labels, cfg)
+    return finish(loss, shift + logsum, labels, cfg, reduction, return_lse)
 
 
 def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse):
@@ -359,9 +458,7 @@ def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
     z_loss = static_float(fn, "z_loss", z_loss, low=0.0)
     softcap = None
     if logit_softcap is not None:
-        softcap = static_float(fn, "logit_softcap", logit_softcap, low=0.0)
-        if softcap == 0.0:
-            raise ValueError(f"{fn}: logit_softcap must be positive or None, got 0.0")
+        softcap = static_float(fn, "logit_softcap", logit_softcap, positive=True)
     if not isinstance(return_lse, bool):
         raise TypeError(f"{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
     return (int(ignore_index), smoothing, z_loss, softcap)
@@ -377,7 +474,7 @@ def labels_of(fn: str, labels, shape) -> jax.Array:
         )
     dtype = np.dtype(labels.dtype)
     if not np.issubdtype(dtype, np.integer):
-        raise TypeError(f"{fn}: labels must have an integer dtype (int32, int64), got {dtype.name}")
+        raise TypeError(f"{fn}: labels must have an integer dtype (any width), got {dtype.name}")
     if tuple(labels.shape) != tuple(shape):
         raise ValueError(
             f"{fn}: labels must have the logits' leading shape {tuple(shape)}, "
@@ -402,6 +499,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
     return_lse: bool = False,
+    implementation: str | None = None,
 ):
     """Softmax cross-entropy with integer labels over the last axis of ``logits``.
 
@@ -423,6 +521,10 @@ def cross_entropy(
       z_loss: coefficient of ``lse**2``, >= 0.
       logit_softcap: None, or a positive cap applied to the logits first.
       return_lse: also return the per-row lse (of every row, ignored ones too).
+      implementation: None (the kernels on a CUDA sm_90 device, the XLA fallback
+        elsewhere) or "xla": a plain jnp formulation that JAX differentiates, with no
+        quack_jax primitive in the program (to bisect a numerics difference). None
+        follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
 
     Returns:
       the loss in float32 (float64 for float64 logits), and with ``return_lse`` the
@@ -430,32 +532,42 @@ def cross_entropy(
 
     A label outside [0, V) other than ``ignore_index`` gives a NaN loss (and NaN
     gradient) for its row; it is never read out of bounds. NaN logits give a NaN loss
-    for their row; a row with +inf logits has lse +inf. ``jax.grad`` runs one backward
-    kernel that reads the logits and writes their gradient in their dtype.
+    for their row; a row with +inf logits has lse +inf. The softmax is
+    ``exp(x - max - log(sum(exp(x - max))))``, never ``exp(x - lse)``, so large logits
+    keep their precision. ``jax.grad`` of a sum or mean takes the gradient that the
+    forward kernel writes; of per-row losses or lse, one backward kernel that reads the
+    logits and writes their gradient in their dtype. ``jax.jvp`` and ``jax.jacfwd`` run the
+    forward kernel and an XLA reduction of the tangent.
     """
     fn = "cross_entropy"
     logits = float_array(fn, "logits", logits)
     labels = labels_of(fn, labels, logits.shape[:-1])
     cfg = options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse)
+    if use_xla(fn, implementation):
+        return xla_formulation(logits, labels, cfg, reduction, return_lse)
     if reduction != "none" and not return_lse:
         return _reduced(logits, labels, cfg, reduction == "mean")
     loss, lse = _per_row(logits, labels, cfg)
-    if reduction != "none":
-        loss = _reduce(loss, labels, cfg[0], reduction == "mean")
-    return (loss, lse) if return_lse else loss
+    return finish(loss, lse, labels, cfg, reduction, return_lse)
 
 
 def softmax_cross_entropy_with_integer_labels(
-    logits: jax.Array, labels: jax.Array, axis: int = -1, where: jax.Array | None = None
+    logits: jax.Array,
+    labels: jax.Array,
+    axis: int = -1,
+    where: jax.Array | None = None,
+    *,
+    implementation: str | None = None,
 ) -> jax.Array:
     """``optax.softmax_cross_entropy_with_integer_labels`` on quack_jax's kernels.
 
     The same per-example loss ``logsumexp(logits) - logits[label]`` (no ignore index, no
-    reduction), the same label handling (a label in [-V, 0) counts from the end, as
-    ``jnp.take_along_axis`` does; any other label outside [0, V) gives NaN) and the same
-    ``where``: of the labels' shape, it sets the loss of rows where it is False to 0;
-    of the logits' shape, it masks logits out of the logsumexp (that case runs optax's
-    XLA formulation). ``axis`` must be an int.
+    reduction) in the logits' dtype (computed in float32), the same label handling (a
+    label in [-V, 0) counts from the end, as ``jnp.take_along_axis`` does; any other
+    label outside [0, V) gives NaN) and the same ``where``: of the labels' shape, it sets
+    the loss of rows where it is False to 0; of the logits' shape, it masks logits out of
+    the logsumexp (that case runs optax's XLA formulation). ``axis`` must be an int.
+    ``implementation`` as in :func:`cross_entropy`.
     """
     fn = "softmax_cross_entropy_with_integer_labels"
     logits = float_array(fn, "logits", logits)
@@ -467,10 +579,12 @@ def softmax_cross_entropy_with_integer_labels(
         where = jnp.moveaxis(jnp.asarray(where), axis, -1)
         lse = jax.nn.logsumexp(logits.astype(compute_dtype(logits.dtype)), axis=-1, where=where)
         target = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-        return jnp.where(jnp.any(where, axis=-1), lse - target, 0.0)
+        return jnp.where(jnp.any(where, axis=-1), lse - target, 0.0).astype(logits.dtype)
     wrapped = jnp.where(labels < 0, labels + n, labels)
     wrapped = jnp.where((wrapped < 0) | (wrapped >= n), n, wrapped)
-    loss = cross_entropy(logits, wrapped, ignore_index=-1, reduction="none")
+    loss = cross_entropy(
+        logits, wrapped, ignore_index=-1, reduction="none", implementation=implementation
+    )
     if where is not None:
         if jnp.shape(where) != labels.shape:
             raise ValueError(
@@ -478,7 +592,7 @@ def softmax_cross_entropy_with_integer_labels(
                 f"shape, got {jnp.shape(where)}"
             )
         loss = jnp.where(where, loss, 0.0)
-    return loss
+    return loss.astype(logits.dtype)
 
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
@@ -520,15 +634,14 @@ def _benchmarks():
         target = jnp.take_along_axis(x, labels[:, None], axis=-1)[:, 0]
         return jnp.mean(jax.nn.logsumexp(x, axis=-1) - target)
 
-    def backward(logits, labels, lse, coefficient):
-        zero = jnp.zeros_like(coefficient)
-        return _backward.bind(
-            logits, labels, lse, coefficient, coefficient, zero, softcap=None, inplace=False
-        )[0]
+    def backward(logits, labels, shift, logsum, coefficient):
+        ab, c = (coefficient, coefficient), jnp.zeros_like(coefficient)
+        stats = (shift, logsum)
+        return _backward.bind(logits, labels, *stats, *ab, c, softcap=None, inplace=False)[0]
 
     def backward_operands(logits, labels, dy):
-        lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
-        return logits, labels, lse, jnp.full(lse.shape, 1.0 / lse.size, jnp.float32)
+        shift, logsum = _row_stats(logits.astype(jnp.float32))
+        return logits, labels, shift, logsum, jnp.full(shift.shape, 1.0 / shift.size, jnp.float32)
 
     def logits_labels(x, labels, dy):
         return x, labels

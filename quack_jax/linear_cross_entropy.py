@@ -34,6 +34,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ._checks import float_array
+from ._implementation import use_xla
 from ._jax_private import new_primitive
 from ._partition import (
     STAT,
@@ -54,8 +55,10 @@ from .cross_entropy import (
     _forward_split,
     _reduce,
     _row_weights,
+    finish,
     labels_of,
     options,
+    xla_formulation,
 )
 
 # the default chunk: rows whose logits take at most this many bytes, and at most this
@@ -63,6 +66,8 @@ from .cross_entropy import (
 CHUNK_BYTES = 1 << 30
 CHUNK_FREE_FRACTION = 1 / 8
 CHUNK_MULTIPLE = 128
+# the per-row results of the forward: the loss and the row statistics (cross_entropy.py)
+_STATS = ("loss", "shift", "logsum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +132,8 @@ def _gradient_names(mode, needs):
 def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()):
     """The op on operands whose rows (and, with ``row``, vocabulary slice) are this
     device's; ``data_axes`` are the mesh axes that split the rows, over which dW and the
-    bias gradient are summed. Results: [loss, lse] (not in "backward"), then the
+    bias gradient are summed. Results: [loss, shift, logsum] (the row statistics, see
+    cross_entropy.py; not in "backward"), then the
     gradients in ``needs``: dh (h's dtype), dW and db (float32)."""
     h, w, bias, labels, per_row = _unpack(operands, has_bias)
     lead, d = labels.shape, h.shape[-1]
@@ -137,11 +143,11 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     ignore_index, smoothing, z_loss, softcap = ce
     grads = _gradient_names(mode, needs)
     vocab = w.shape[0 if linear.transpose else 1]
-    shapes = {"loss": ((t,), stat), "lse": ((t,), stat), "dh": ((t, d), h.dtype)}
+    shapes = {k: ((t,), stat) for k in _STATS} | {"dh": ((t, d), h.dtype)}
     shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab,), jnp.float32)}
     # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
     # written by the first chunk
-    results = ("loss", "lse") * (mode != "backward") + ("dh",) * ("dh" in grads)
+    results = _STATS * (mode != "backward") + ("dh",) * ("dh" in grads)
     carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
     # ceil(t / chunk) chunks of equal size; when that size does not divide t, the last
@@ -159,15 +165,15 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
 
         hc = rows(h)
         logits = linear.logits(hc, w, bias)
-        # the per-row gradient coefficients: the weights in "grad"; a, b, c after lse in
-        # "backward"
-        kept = 1 if mode == "backward" else 0
+        # the per-row gradient coefficients: the weights in "grad"; a, b, c after the
+        # statistics in "backward"
+        kept = 2 if mode == "backward" else 0
         coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[kept:]]
         inputs = (logits, rows(labels), *map(rows, per_row[:kept]), *coefficients)
         if mode == "backward":
             (dlogits,) = _backward_split(row, softcap=softcap, inplace=True)(*inputs)
         else:
-            loss, lse, *dlogits = _forward_split(
+            outs = _forward_split(
                 row,
                 ignore_index=ignore_index,
                 smoothing=smoothing,
@@ -177,11 +183,11 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
                 inplace=mode == "grad",
             )(*inputs)
             carry = dict(carry)
-            for k, v in (("loss", loss), ("lse", lse)):
+            for k, v in zip(_STATS, outs, strict=False):
                 carry[k] = lax.dynamic_update_slice_in_dim(carry[k], v.astype(stat), start, 0)
             if not grads:
                 return carry
-            (dlogits,) = dlogits
+            (dlogits,) = outs[len(_STATS) :]
         dlogits = dlogits.astype(h.dtype)
         carry = dict(carry)
         if "dh" in grads:
@@ -204,7 +210,7 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
-    outs = [] if mode == "backward" else [carry["loss"].reshape(lead), carry["lse"].reshape(lead)]
+    outs = [] if mode == "backward" else [carry[k].reshape(lead) for k in _STATS]
     for k in grads:
         outs.append(carry[k].reshape(*lead, d) if k == "dh" else carry[k])
     return outs
@@ -219,7 +225,7 @@ def _factors(mode, needs, has_bias, transpose, lead_rank, n_per_row):
     weight = ("v", "d") if transpose else ("d", "v")
     ins = [(*rows, "d"), weight] + [("v",)] * has_bias + [rows] * (1 + n_per_row)
     grad = {"dh": (*rows, "d"), "dw": weight, "db": ("v",)}
-    outs = [] if mode == "backward" else [rows, rows]
+    outs = [] if mode == "backward" else [rows] * len(_STATS)
     return ins, outs + [grad[k] for k in _gradient_names(mode, needs)]
 
 
@@ -285,7 +291,7 @@ def _abstract(*avals, mode, needs, has_bias, linear, ce):
     }
     if bias is not None:
         grad["db"] = bias.update(dtype=np.dtype("float32"), weak_type=False)
-    outs = [] if mode == "backward" else [stat, stat]
+    outs = [] if mode == "backward" else [stat] * len(_STATS)
     return outs + [grad[k] for k in _gradient_names(mode, needs)]
 
 
@@ -372,7 +378,7 @@ def _values(*primals):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _reduced(cfg: _Config, h, w, bias, labels):
-    loss, _ = _bind(cfg, "loss", Needs(False, False, False), h, w, bias, labels)
+    loss, *_ = _bind(cfg, "loss", Needs(False, False, False), h, w, bias, labels)
     return _reduce(loss, labels, cfg.ce[0], cfg.reduction == "mean")
 
 
@@ -380,7 +386,7 @@ def _reduced_forward(cfg: _Config, h, w, bias, labels):
     needs = _needs(h, w, bias)
     h, w, bias, labels = _values(h, w, bias, labels)
     weights = _row_weights(labels, cfg.ce[0], cfg.reduction == "mean")
-    loss, _, *grads = _bind(cfg, "grad", needs, h, w, bias, labels, weights)
+    loss, _, _, *grads = _bind(cfg, "grad", needs, h, w, bias, labels, weights)
     return _reduce(loss, labels, cfg.ce[0], cfg.reduction == "mean"), (needs, grads)
 
 
@@ -397,14 +403,15 @@ _reduced.defvjp(_reduced_forward, _reduced_backward, symbolic_zeros=True)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _per_row(cfg: _Config, h, w, bias, labels):
-    return tuple(_bind(cfg, "loss", Needs(False, False, False), h, w, bias, labels))
+    loss, shift, logsum = _bind(cfg, "loss", Needs(False, False, False), h, w, bias, labels)
+    return loss, shift + logsum
 
 
 def _per_row_forward(cfg: _Config, h, w, bias, labels):
     needs = _needs(h, w, bias)
     h, w, bias, labels = _values(h, w, bias, labels)
-    loss, lse = _bind(cfg, "loss", needs, h, w, bias, labels)
-    return (loss, lse), (needs, h, w, bias, labels, lse)
+    loss, shift, logsum = _bind(cfg, "loss", needs, h, w, bias, labels)
+    return (loss, shift + logsum), (needs, h, w, bias, labels, shift, logsum)
 
 
 def _dense(cotangent, like):
@@ -414,12 +421,13 @@ def _dense(cotangent, like):
 
 
 def _per_row_backward(cfg: _Config, saved, cotangents):
-    needs, h, w, bias, labels, lse = saved
+    needs, h, w, bias, labels, shift, logsum = saved
+    lse = shift + logsum
     g_loss, g_lse = (_dense(c, lse) for c in cotangents)
     v = w.shape[0 if cfg.linear.transpose else 1]
     ignore_index, smoothing, z_loss, _ = cfg.ce
     a, b, c = _coefficients(labels, v, ignore_index, smoothing, z_loss, lse, g_loss, g_lse)
-    grads = _bind(cfg, "backward", needs, h, w, bias, labels, lse, a, b, c)
+    grads = _bind(cfg, "backward", needs, h, w, bias, labels, shift, logsum, a, b, c)
     return _gradients(cfg, needs, grads)
 
 
@@ -493,6 +501,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     precision: Any = None,
     preferred_element_type: Any = None,
+    implementation: str | None = None,
 ):
     """``cross_entropy(h @ weight + bias, labels, ...)`` without making the logits.
 
@@ -520,6 +529,10 @@ def linear_cross_entropy(
       precision: of the three GEMMs, as in ``jax.lax.dot_general``.
       preferred_element_type: the logits' dtype (default: h's). The backward GEMMs take
         dlogits in h's dtype.
+      implementation: None, or "xla": the whole logits ``h @ weight + bias`` made by
+        XLA and :func:`quack_jax.cross_entropy`'s XLA formulation on them, differentiated
+        by JAX (no chunks, no quack_jax primitive: to bisect a numerics difference). None
+        follows ``$QUACK_JAX_IMPLEMENTATION``, read at trace time.
 
     Returns:
       the loss in float32 (float64 for float64 logits): a scalar for "sum" and "mean",
@@ -575,12 +588,13 @@ def linear_cross_entropy(
         weight.dtype.name,
         None if bias is None else bias.dtype.name,
     )
+    if use_xla(fn, implementation):
+        logits = linear.logits(h.reshape(-1, d), weight, bias).reshape(*h.shape[:-1], vocab)
+        return xla_formulation(logits, labels, ce, reduction, return_lse)
     if reduction != "none" and not return_lse:
         return _reduced(cfg, h, weight, bias, labels)
     loss, lse = _per_row(cfg, h, weight, bias, labels)
-    if reduction != "none":
-        loss = _reduce(loss, labels, ce[0], reduction == "mean")
-    return (loss, lse) if return_lse else loss
+    return finish(loss, lse, labels, ce, reduction, return_lse)
 
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):

@@ -320,6 +320,45 @@ def test_mean_loss_with_lse(backend):
     assert_close(grad, ref_grad, mag, "float32", "dlogits", logits=logits)
 
 
+@pytest.mark.parametrize("offset", (1e4, 1e6, 1e7))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("backend", backends())
+def test_large_logits_keep_their_precision(backend, dtype, offset):
+    """Logits offset by up to 1e7, where lse's own rounding is a whole unit: the
+    gradient (both kernels) within the usual bound of its terms, as at offset 0, and the
+    loss within float32's precision of the loss itself, not of lse."""
+    rng = np.random.default_rng([SEED, int(offset)])
+    x = (offset + 3.0 * rng.standard_normal((SMALL_M, 1000))).astype(jnp.dtype(dtype))
+    labels = rng.integers(0, 1000, SMALL_M).astype(np.int32)
+    logits, labels = jnp.asarray(x), jnp.asarray(labels)
+    g = jnp.asarray(rng.uniform(0.5, 1.5, SMALL_M), jnp.float32)
+    check_per_row(backend, logits, labels, g, 0 * g, OPTIONS[0])
+    check_mean_and_sum(backend, logits, labels, OPTIONS[0])
+
+    def rows(x, labels):
+        return quack_jax.cross_entropy(x, labels, reduction="none")
+
+    (loss,) = host(None, run(backend, rows, logits, labels, launches=1))
+    ref_loss, _ = reference_rows(as64(x), np.asarray(labels))
+    assert_close(loss, ref_loss, 1.0 + np.abs(ref_loss), "float32", "loss")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_logits_at_the_float32_limit(backend):
+    """Rows of logits near float32's largest value: the exact softmax, not exp(x - lse)
+    rounded to 0 or 1, and the losses log(3) and log(2)."""
+    logits = jnp.asarray([[3e38, 3e38, 3e38], [3e38, -3e38, 3e38]], jnp.float32)
+    labels = jnp.asarray([0, 2], jnp.int32)
+
+    def f(x, labels):
+        return jax.value_and_grad(lambda x: quack_jax.cross_entropy(x, labels, reduction="sum"))(x)
+
+    loss, grad = host(None, *run(backend, f, logits, labels, launches=1))
+    ref_grad = np.asarray([[-2 / 3, 1 / 3, 1 / 3], [1 / 2, 0.0, -1 / 2]])
+    assert_close(grad, ref_grad, np.ones_like(ref_grad), "float32", "dlogits")
+    assert_close(scalar(loss), scalar(np.log(3.0) + np.log(2.0)), scalar(1.0), "float32", "sum")
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_leading_dims_and_vmap(backend):
     """Leading dims and vmap: the same rows' losses as flat rows, and the gradient."""
@@ -453,6 +492,104 @@ def test_optax_alias_matches_optax(backend):
     ours = run(backend, lambda x, y, w: alias(x, y, where=w), *args, launches=0)
     ref = reference_of(theirs, *args[:2], where=args[2])
     assert_close(as64(ours), *ref, "float32", "where of the logits' shape")
+
+    for x in (logits.astype(jnp.bfloat16), jnp.moveaxis(logits, -1, 0).astype(jnp.float16)):
+        axis = 0 if x.dtype == jnp.float16 else -1
+        for w in (None, rows, mask if axis == -1 else None):
+            got = jax.eval_shape(functools.partial(alias, axis=axis, where=w), x, labels)
+            want = jax.eval_shape(functools.partial(theirs, axis=axis, where=w), x, labels)
+            assert got.dtype == want.dtype == x.dtype, "optax's dtype"
+
+
+def reference_mean(x, labels, opts):
+    """The float64 mean loss over the rows not ignored, in JAX (differentiable)."""
+    loss, _ = reference_rows(x, labels, *(opts[key] for key in OPTION_KEYS))
+    return jnp.sum(loss) / jnp.sum(labels != IGNORE)
+
+
+OPTION_KEYS = ("label_smoothing", "z_loss", "logit_softcap")
+
+
+@pytest.mark.parametrize("k", SPECIAL_OPTIONS)
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("backend", backends())
+def test_forward_mode(backend, dtype, k):
+    """jax.jvp of the per-row losses and lse (the forward kernel and an XLA reduction of
+    the tangent) and of the mean (the forward kernel that writes the gradient), jacfwd,
+    and jvp of grad (a Hessian-vector product: XLA's derivative of the kernels' XLA
+    references, no kernel), against float64 JAX of the reference."""
+    opts = OPTIONS[k]
+    logits, labels, _, _ = draw(SMALL_M, SMALL_N, dtype, "jvp", k)
+    t = jax.random.normal(key_for("ce", "tangent", dtype, k), logits.shape).astype(dtype)
+
+    def rows(x):
+        return quack_jax.cross_entropy(x, labels, reduction="none", return_lse=True, **opts)
+
+    def mean(x):
+        return quack_jax.cross_entropy(x, labels, **opts)
+
+    def f(x, t):
+        return jax.jvp(rows, (x,), (t,))[1], jax.jvp(mean, (x,), (t,))[1]
+
+    (t_loss, t_lse), t_mean = host(None, *run(backend, f, logits, t, launches=2))
+    hvp = run(backend, lambda x, t: jax.jvp(jax.grad(mean), (x,), (t,))[1], logits, t, launches=0)
+    jac = run(backend, jax.jacfwd(mean), logits, launches=1)
+    options64 = [opts[key] for key in OPTION_KEYS]
+    with jax.enable_x64(True):
+        x64, t64, labels64 = (jnp.asarray(as64(a)) for a in (logits, t, labels))
+
+        def rows64(x):
+            return reference_rows(x, labels64, *options64)
+
+        def mean64(x):
+            return reference_mean(x, labels64, opts)
+
+        (_, lse), (ref_loss, ref_lse) = jax.jvp(rows64, (x64,), (t64,))
+        ref_mean = jax.jvp(mean64, (x64,), (t64,))[1]
+        ref_hvp = jax.jvp(jax.grad(mean64), (x64,), (t64,))[1]
+        ref_grad = jax.grad(mean64)(x64)
+        lse, t64, ref_loss, ref_lse, ref_mean, ref_hvp, ref_grad = (
+            np.asarray(a) for a in (lse, t64, ref_loss, ref_lse, ref_mean, ref_hvp, ref_grad)
+        )
+    size = np.sum(np.abs(t64), axis=-1) * (1 + 2 * opts["z_loss"] * np.abs(lse))
+    tol = "float32" if dtype == "float32" else dtype
+    assert_close(t_lse, ref_lse, size, tol, "lse tangent")
+    assert_close(t_loss, ref_loss, size, tol, "loss tangent")
+    kept = np.sum(np.asarray(labels) != IGNORE)
+    assert_close(scalar(t_mean), scalar(ref_mean), scalar(np.sum(size) / kept), tol, "mean")
+    assert_close(as64(jac), ref_grad, np.abs(ref_grad) + 1.0 / kept, tol, "jacfwd")
+    scale = np.max(np.abs(ref_hvp)) + 1.0 / kept
+    assert_close(as64(hvp), ref_hvp, np.full(ref_hvp.shape, scale), tol, "jvp of grad")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_implementation_xla(backend, monkeypatch):
+    """implementation="xla" (and $QUACK_JAX_IMPLEMENTATION=xla): no quack_jax primitive
+    in the program or its gradient, the same values; a bad value names the argument."""
+    logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float32", "xla")
+    alias = quack_jax.softmax_cross_entropy_with_integer_labels
+    fns = {
+        "mean": lambda x, **kw: quack_jax.cross_entropy(x, labels, z_loss=1e-3, **kw),
+        "rows": lambda x, **kw: jnp.sum(
+            quack_jax.cross_entropy(x, labels, reduction="none", return_lse=True, **kw)[1]
+        ),
+        "optax": lambda x, **kw: jnp.sum(alias(x, jnp.maximum(labels, 0), **kw)),
+    }
+    for name, fn in fns.items():
+        want = run(backend, jax.value_and_grad(fn), logits, launches=1 if name == "mean" else 2)
+        for how in ("argument", "environment"):
+            kw = {"implementation": "xla"} if how == "argument" else {}
+            if how == "environment":
+                monkeypatch.setenv("QUACK_JAX_IMPLEMENTATION", "xla")
+            f = jax.value_and_grad(functools.partial(fn, **kw))
+            jaxpr = str(jax.make_jaxpr(f)(logits))
+            assert "quack_jax" not in jaxpr, f"{name}, {how}: a quack_jax primitive"
+            got = run(backend, f, logits, launches=0)
+            monkeypatch.delenv("QUACK_JAX_IMPLEMENTATION", raising=False)
+            for a, b in zip(host(None, *got), host(None, *want), strict=True):
+                assert_close(a, b, np.abs(b) + 1e-3, "float32", f"{name}, {how}")
+    with pytest.raises(ValueError, match="cross_entropy: implementation must be"):
+        quack_jax.cross_entropy(logits, labels, implementation="triton")
 
 
 BAD = [

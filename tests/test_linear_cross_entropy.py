@@ -810,6 +810,21 @@ def test_precision_accepted(backend, precision):
     compare(backend, dict(reduction="sum", precision=precision, chunk_size=8), *args)
 
 
+@pytest.mark.parametrize("options", [OPTIONS[1], OPTIONS[-1]], ids=_id)
+@pytest.mark.parametrize("backend", backends())
+def test_implementation_xla(backend, options):
+    """implementation="xla": the whole logits and the XLA formulation, differentiated by
+    JAX, with no quack_jax primitive in the program; the float64 reference's values."""
+    opts = dict(options, implementation="xla")
+    with_bias = opts.pop("bias", False)
+    transpose, ignore_index = opts.get("transpose_weight", False), opts.get("ignore_index", IGNORE)
+    h, w, bias, *rest = draw(transpose=transpose, ignore_index=ignore_index)
+    args = (h, w, bias if with_bias else None, *rest)
+    jaxpr = str(jax.make_jaxpr(loss_and_grads(ALL, **opts))(*args))
+    assert "quack_jax" not in jaxpr
+    compare(backend, opts, *args, count=0)
+
+
 # -- 9. argument errors (CPU) -----------------------------------------------------------------
 
 H, W, B = np.ones((4, 8), np.float32), np.ones((8, 30), np.float32), np.ones(30, np.float32)
