@@ -3,10 +3,12 @@
 ``_forward`` computes y, h = x + residual (when there is one) and the per-row statistics
 the backward needs (rstd, and mean for LayerNorm) in one pass. ``_backward`` computes dx
 from dy, h and the statistics, plus the weight and bias gradients from per-CTA partials
-of a persistent grid; no normalised copy of x is ever stored. ``jax.grad`` reaches them
-through a ``custom_vjp``. With the normalised axis split across devices (under a sharded
-``jit``), each device runs the XLA reference on its slice of the rows, with the rows'
-means ``psum``'d.
+of a persistent grid; no normalised copy of x is ever stored. ``_tangent``, linear in
+the tangents of x, the residual, weight and bias, is the forward-mode derivative (XLA
+everywhere); its transpose binds ``_backward``, so ``jax.jvp`` runs the forward kernel
+and ``jax.grad`` the forward and backward kernels. With the normalised axis split
+across devices (under a sharded ``jit``), each device runs the XLA reference on its
+slice of the rows, with the rows' means ``psum``'d.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.interpreters import ad
 
 from ._checks import float_array, static_float
 from ._configs import KernelConfig, option, scalar
@@ -271,18 +274,93 @@ _backward = RowwisePrimitive(
 )
 
 
+# -- tangent ------------------------------------------------------------------------
+# operands: th, [tweight], [tbias], h, [weight], rstd, [mean]; results: ty, [th]
+# Linear in th, tweight and tbias; its transpose is the backward. XLA everywhere.
+
+
+def _tangent_abstract(th, *rest, out_dtype, prenorm, **_):
+    return [th.update(dtype=np.dtype(out_dtype), weak_type=False)] + [th] * prenorm
+
+
+def _reference_tangent(th, *rest, rms, offset, out_dtype, weight, bias, prenorm, row=WHOLE):
+    tw, tb, h, *rest = _split(rest, weight, bias)
+    w, rstd, mean = _split(rest, weight) + ([None] if rms else [])
+    ct = rstd.dtype
+    xhat = _normalised(h, rstd, mean)
+    dh = th.astype(ct)
+    if not rms:
+        dh = dh - row.mean(dh)
+    ty = (dh - xhat * row.mean(xhat * dh)) * rstd[..., None]
+    if w is not None:
+        ty = ty * (w.astype(ct) + jnp.asarray(offset, ct)) + xhat * tw.astype(ct)
+    if tb is not None:
+        ty = ty + tb.astype(ct)
+    return [ty.astype(out_dtype)] + [th] * prenorm
+
+
+def _tangent_transpose(cts, th, *rest, rms, offset, out_dtype, weight, bias, prenorm):
+    if all(type(ct) is ad.Zero for ct in cts):
+        return [None] * (1 + len(rest))
+    dy, *dh = (ad.instantiate_zeros(ct) for ct in cts)
+    tw, tb, h, *stats = _split(rest, weight, bias)
+    w, *stats = _split(stats, weight)
+    outs = _backward.bind(
+        dy,
+        h,
+        *([w] * weight),
+        *dh,
+        *stats,
+        rms=rms,
+        offset=offset,
+        weight=weight,
+        dh=prenorm,
+        weight_grad=weight,
+        bias_grad=bias,
+    )
+    linear = [t for t in (th, tw, tb) if t is not None]
+    cotangents = [
+        g.astype(t.aval.dtype) if ad.is_undefined_primal(t) else None
+        for t, g in zip(linear, outs, strict=True)
+    ]
+    return cotangents + [None] * (1 + len(rest) - len(linear))
+
+
+def _tangent_batch(operands, dims, **params):
+    vectors = range(1, 1 + params["weight"] + params["bias"])
+    vectors = (*vectors, 2 + len(vectors)) if params["weight"] else tuple(vectors)
+    if any(dims[i] is not None for i in vectors):
+        return _vmapped(_reference_tangent, operands, dims, params)
+    outs = _tangent.bind(*_fold(operands, dims, vectors), **params)
+    return outs, [0] * len(outs)
+
+
+def _tangent_roles(*, rms, weight, bias, prenorm, **_):
+    ins = (ROWS,) + (VECTOR,) * (weight + bias) + (ROWS,) + (VECTOR,) * weight
+    return ins + (STAT,) * (1 if rms else 2), (ROWS,) * (1 + prenorm)
+
+
+_tangent = RowwisePrimitive(
+    "quack_jax_norm_tangent",
+    kernel=lambda target, avals_in, avals_out, **params: None,
+    reference=_reference_tangent,
+    abstract=_tangent_abstract,
+    batch=_tangent_batch,
+    transpose=_tangent_transpose,
+    roles=_tangent_roles,
+)
+
+
 # -- differentiation ----------------------------------------------------------------
+# A custom_jvp whose tangent is the linear ``_tangent`` primitive: ``jax.jvp`` runs the
+# forward kernel and XLA's tangent, ``jax.grad`` the forward kernel and (the tangent's
+# transpose) the backward kernel, with the cotangent of h (prenorm) added in it.
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _norm(x, residual, weight, bias, cfg):
-    return _norm_forward(x, residual, weight, bias, cfg)[0]
-
-
-def _norm_forward(x, residual, weight, bias, cfg, forward=_forward.bind):
-    """The public results and the residuals of the backward, by ``forward`` (the
-    primitive or its reference)."""
-    rms, eps, offset, out_dtype, prenorm, _ = cfg
+def _outputs(forward, x, residual, weight, bias, cfg):
+    """The public results and the backward's residuals (h, stats), by ``forward`` (the
+    primitive's bind or its reference)."""
+    rms, eps, offset, out_dtype, prenorm = cfg
     operands = [a for a in (x, residual, weight, bias) if a is not None]
     outs = forward(
         *operands,
@@ -296,30 +374,33 @@ def _norm_forward(x, residual, weight, bias, cfg, forward=_forward.bind):
     )
     y, stats = outs[0], outs[1 + (residual is not None) :]
     h = x if residual is None else outs[1]
-    return ((y, h) if prenorm else y), (h, weight, bias, stats)
+    return ((y, h) if prenorm else y), h, stats
 
 
-def _norm_backward(cfg, saved, cotangents):
-    rms, _, offset, _, prenorm, has_residual = cfg
-    h, weight, bias, stats = saved
-    dy, dh = cotangents if prenorm else (cotangents, None)
-    operands = [dy, h] + [a for a in (weight, dh) if a is not None] + list(stats)
-    outs = _backward.bind(
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _norm(x, residual, weight, bias, cfg):
+    return _outputs(_forward.bind, x, residual, weight, bias, cfg)[0]
+
+
+@_norm.defjvp
+def _norm_jvp(cfg, primals, tangents):
+    rms, _, offset, out_dtype, prenorm = cfg
+    x, residual, weight, bias = primals
+    tx, tres, tw, tb = tangents
+    out, h, stats = _outputs(_forward.bind, x, residual, weight, bias, cfg)
+    th = tx if residual is None else tx + tres
+    operands = [a for a in (th, tw, tb, h, weight) if a is not None]
+    tangent = _tangent.bind(
         *operands,
+        *stats,
         rms=rms,
         offset=offset,
+        out_dtype=out_dtype,
         weight=weight is not None,
-        dh=dh is not None,
-        weight_grad=weight is not None,
-        bias_grad=bias is not None,
+        bias=bias is not None,
+        prenorm=prenorm,
     )
-    dx, grads = outs[0], iter(outs[1:])
-    dweight = None if weight is None else next(grads).astype(weight.dtype)
-    dbias = None if bias is None else next(grads).astype(bias.dtype)
-    return dx, (dx if has_residual else None), dweight, dbias
-
-
-_norm.defvjp(_norm_forward, _norm_backward)
+    return out, (tuple(tangent) if prenorm else tangent[0])
 
 
 # -- the public functions -----------------------------------------------------------
@@ -370,10 +451,10 @@ def _apply(
             raise TypeError(
                 f"{fn}: out_dtype must be float32, bfloat16, float16 or float64, got {out.name}"
             )
-    cfg = (rms, eps, offset, out.name, prenorm, residual is not None)
+    cfg = (rms, eps, offset, out.name, prenorm)
     weight, bias = (varying_like(x, v) for v in (weight, bias))
     if use_xla(fn, implementation):
-        return _norm_forward(x, residual, weight, bias, cfg, _reference_forward)[0]
+        return _outputs(_reference_forward, x, residual, weight, bias, cfg)[0]
     return _norm(x, residual, weight, bias, cfg)
 
 
@@ -408,7 +489,8 @@ def rms_norm(
     Returns:
       y, or ``(y, h)`` with ``prenorm``. ``jax.grad`` runs one backward kernel for dx
       (and the residual's gradient, the same array) and the weight gradient, reduced
-      over all rows without atomics, so it is the same on every run.
+      over all rows without atomics, so it is the same on every run. ``jax.jvp`` runs
+      the forward kernel and the tangent in XLA; any order of derivative works.
     """
     options = eps, residual, prenorm, weight_offset, out_dtype, implementation
     return _apply("rms_norm", True, x, weight, None, *options)

@@ -2,7 +2,8 @@
 gradients (of x, the residual, weight and bias) over the SPEC's grid and for every mix of
 operands and options (weight and bias dtypes, residual, prenorm, weight_offset, eps,
 out_dtype), leading axes, special values, where eps and the residual's rounding go,
-transforms (vmap, checkpoint), empty and float64 inputs, bad input; on the CPU also
+forward mode (jvp, jacfwd, vmap of jvp, Hessian-vector products), transforms (vmap,
+checkpoint), empty and float64 inputs, bad input; on the CPU also
 sharding over 8 host devices, the reference's gradients against autodiff and the CUDA
 lowering (kernels compiled with CuTe-DSL, no GPU needed).
 
@@ -82,8 +83,8 @@ def reference(op, h, w=None, b=None, dy=None, dh=None, *, eps, offset=0.0):
     the magnitude of the terms that make it (what its error is judged against): a dict of
     "y" and, given the cotangents dy (of y) and dh (of h, or None), "dx" (also the
     residual's gradient), "dweight" and "dbias" (None without the operand) -> (value,
-    magnitude); and "xhat", "rstd". In numpy, or in jax.numpy on h's device where h is
-    a jax Array (the GPU tests' large rows)."""
+    magnitude); and "xhat", "rstd" and "terms" (the size of xhat's terms). In numpy, or
+    in jax.numpy on h's device where h is a jax Array (the GPU tests' large rows)."""
     xp = jnp if isinstance(h, jax.Array) else np
     with jax.enable_x64(True), np.errstate(all="ignore"):
         h, w, b, dy, dh = (
@@ -96,7 +97,7 @@ def reference(op, h, w=None, b=None, dy=None, dh=None, *, eps, offset=0.0):
         scale = 1.0 if w is None else w + offset
         y = xhat * scale + (0.0 if b is None else b)
         y_mag = terms * xp.abs(scale) + (0.0 if b is None else xp.abs(b))
-        out = {"y": (y, y_mag), "xhat": xhat, "rstd": rstd}
+        out = {"y": (y, y_mag), "xhat": xhat, "rstd": rstd, "terms": terms}
         if dy is None:
             return out
         g = dy * scale
@@ -137,28 +138,35 @@ def np_norm(h, weight, bias, *, rms, eps, offset):
     return reference(op, np.asarray(h), weight, bias, eps=eps, offset=offset)["y"][0]
 
 
+def jnp_norm(rms, eps, offset):
+    """y of (h, weight, bias) in plain jnp, for float64 autodiff."""
+
+    def fn(h, w, b):
+        centred = h if rms else h - jnp.mean(h, axis=-1, keepdims=True)
+        y = centred / jnp.sqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+        if w is not None:
+            y = y * (w + offset)
+        if b is not None:
+            y = y + b
+        return y
+
+    return fn
+
+
+def f64(*arrays):
+    """The arrays as float64 jax arrays (None stays None); inside ``jax.enable_x64``."""
+    return [None if a is None else jnp.asarray(np.asarray(a, np.float64)) for a in arrays]
+
+
 def jax64_grads(h, weight, bias, dy, dh, *, rms, eps, offset):
     """Float64 (dx, dweight, dbias) by jax.vjp of a float64 jnp implementation, for
     cotangents dy of y and dh of h (or None): the check of the reference's gradients."""
     with jax.enable_x64(True):
-
-        def fn(h, w, b):
-            centred = h if rms else h - jnp.mean(h, axis=-1, keepdims=True)
-            y = centred / jnp.sqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
-            if w is not None:
-                y = y * (w + offset)
-            if b is not None:
-                y = y + b
-            return y
-
-        f64 = [
-            None if a is None else jnp.asarray(np.asarray(a, np.float64))
-            for a in (h, weight, bias, dy, dh)
-        ]
-        _, vjp = jax.vjp(fn, *f64[:3])
-        dx, dw, db = vjp(f64[3])
+        f64s = f64(h, weight, bias, dy, dh)
+        _, vjp = jax.vjp(jnp_norm(rms, eps, offset), *f64s[:3])
+        dx, dw, db = vjp(f64s[3])
         if dh is not None:
-            dx = dx + f64[4]
+            dx = dx + f64s[4]
         return [None if g is None else np.asarray(g) for g in (dx, dw, db)]
 
 
@@ -631,6 +639,170 @@ def test_jit_matches_eager_and_checkpoint(backend, op):
                 assert_close(grad, *ref[name], "bfloat16", f"{name} {what}")
 
 
+# -- forward mode -----------------------------------------------------------------------------
+
+JVP_SHAPE = {"cpu": (3, 257), "gpu": (3, 1000)}
+JVP_MIXES = ("plain", "weight_residual_prenorm", "all", "mixed_params_prenorm_bf16_out")
+
+
+def jvp_of(op, mix):
+    """(x, weight, bias, residual), their tangents -> ``jax.jvp`` of ``forward(op, mix)``."""
+
+    def fn(args, tangents):
+        return jax.jvp(forward(op, mix), tuple(args), tuple(tangents))
+
+    return fn
+
+
+def jvp_magnitude(op, h, w, b, th, tw, tb, *, eps, offset):
+    """The size of the terms that make y's tangent along (th, tw, tb) (numpy float64; th
+    may have extra leading axes)."""
+    ref = reference(op, np.asarray(h), eps=eps)
+    terms, rstd = ref["terms"], ref["rstd"]
+    t = np.abs(np.asarray(th, np.float64))
+    if op == "layer_norm":
+        t = t + t.mean(axis=-1, keepdims=True)
+    mag = rstd * (t + terms * (terms * t).mean(axis=-1, keepdims=True))
+    if w is not None:
+        w64, tw64 = (np.asarray(a, np.float64) for a in (w, tw))
+        mag = mag * np.abs(w64 + offset) + terms * np.abs(tw64)
+    if b is not None:
+        mag = mag + np.abs(np.asarray(tb, np.float64))
+    return mag
+
+
+def check_jvp(op, mix, args, tangents, out, what):
+    """``jvp_of(op, mix)``'s results against jax.jvp of the float64 jnp norm."""
+    (x, w, b, r), (tx, tw, tb, tr) = args, tangents
+    (y, _), (ty, th) = out if mix.prenorm else ((out[0], None), (out[1], None))
+    h_ref = np_h(x, r)
+    tx64, tr64 = (np.asarray(0.0 if a is None else a, np.float64) for a in (tx, tr))
+    th_ref, th_mag = tx64 + tr64, np.abs(tx64) + np.abs(tr64)
+    with jax.enable_x64(True):
+        fn = jnp_norm(op == "rms_norm", mix.eps, mix.offset)
+        ty_ref = jax.jvp(fn, tuple(f64(h_ref, w, b)), tuple(f64(th_ref, tw, tb)))[1]
+    out_dtype = mix.dtypes(op, x.dtype.name)[2]
+    assert ty.dtype == y.dtype == out_dtype and ty.shape == x.shape, what
+    ref = reference(op, h_ref, w, b, eps=mix.eps, offset=mix.offset)
+    assert_close(y, *ref["y"], out_dtype, f"y {what}")
+    mag = jvp_magnitude(op, h_ref, w, b, th_mag, tw, tb, eps=mix.eps, offset=mix.offset)
+    assert_close(ty, np.asarray(ty_ref), mag, out_dtype, f"ty {what}")
+    if mix.prenorm:
+        assert th.dtype == x.dtype, what
+        assert_close(th, th_ref, th_mag, x.dtype.name, f"th {what}")
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [backend_param(b, d) for b in BACKENDS for d in ("float32", "bfloat16")]
+)
+def test_jvp(backend, dtype, op):
+    """``jax.jvp`` along x, the residual, weight and bias: the forward kernel and XLA's
+    tangent."""
+    shape = JVP_SHAPE[backend]
+    cases = []
+    for name in JVP_MIXES:
+        mix = MIXES[name]
+        args = operands(backend, op, shape, dtype, mix, key_for("jvp", op, dtype, name))[:4]
+        tangents = operands(backend, op, shape, dtype, mix, key_for("jvp t", op, dtype, name))
+        cases.append((name, args, tangents[:4]))
+    fns = [jvp_of(op, MIXES[name]) for name, _, _ in cases]
+
+    def every(cases):
+        return [fn(a, t) for fn, (a, t) in zip(fns, cases, strict=True)]
+
+    outs = run(backend, every, [(a, t) for _, a, t in cases], launches=len(cases))
+    for (name, args, tangents), out in zip(cases, outs, strict=True):
+        check_jvp(op, MIXES[name], args, tangents, out, f"{op} {name} {dtype}")
+
+
+JACOBIAN_SHAPE = (2, 7)
+
+
+def jacobians(op):
+    """``jax.jacfwd`` of the norm w.r.t. x and the weight (and bias)."""
+
+    def fn(x, params):
+        return jax.jacfwd(lambda x, p: OPS[op](x, *p, eps=EPS), argnums=(0, 1))(x, params)
+
+    return fn
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_jacfwd(backend, op):
+    mix = Mix(weight="float32", bias="float32")
+    x, w, b, _, _, _ = operands(backend, op, JACOBIAN_SHAPE, "float32", mix, key_for("jac", op))
+    params = (w,) if op == "rms_norm" else (w, b)
+    jx, jp = run(backend, jacobians(op), x, params, launches=1)
+    basis = np.eye(x.size).reshape(x.size, *x.shape)  # one tangent per element of x
+    zero = np.zeros(x.shape)
+    with jax.enable_x64(True):
+        fn = jnp_norm(op == "rms_norm", EPS, 0.0)
+        ref = jax.jacfwd(lambda x, p: fn(x, *p, *[None] * (2 - len(p))), argnums=(0, 1))
+        rx, rp = ref(*f64(x), tuple(f64(*params)))
+    # the magnitudes of the tangents along each basis vector, that axis moved last
+    mag = jvp_magnitude(op, x, w, b, basis, 0 * w, 0 * w, eps=EPS, offset=0.0)
+    assert_close(jx, rx, np.moveaxis(mag, 0, -1).reshape(jx.shape), "float32", "d y / d x")
+    eye = np.eye(x.shape[-1])[:, None]
+    for i, (got, want) in enumerate(zip(jp, rp, strict=True)):
+        tw, tb = (eye, 0 * w) if i == 0 else (0 * w, eye)
+        mag = jvp_magnitude(op, x, w, b, zero, tw, tb, eps=EPS, offset=0.0)
+        assert_close(got, want, np.moveaxis(mag, 0, -1), "float32", f"d y / d param {i}")
+
+
+def hvp(op):
+    """``jax.jvp`` of the gradient of ``sin_loss``: Hessian-vector products."""
+    grad = jax.grad(sin_loss(op), argnums=(0, 1, 2))
+
+    def fn(args, tangents):
+        return jax.jvp(grad, tuple(args), tuple(tangents))
+
+    return fn
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_hessian_vector_product(backend, op):
+    """Forward over reverse: each element within TOL of the largest of its array."""
+    mix = Mix(weight="float32", bias="float32")
+    x, w, b, _, _, _ = operands(backend, op, (3, 64), "float32", mix, key_for("hvp", op))
+    tx, tw, tb, _, _, _ = operands(backend, op, (3, 64), "float32", mix, key_for("hvp t", op))
+    grads, hvps = run(backend, hvp(op), (x, w, b), (tx, tw, tb), launches=0)
+    with jax.enable_x64(True):
+        fn = jnp_norm(op == "rms_norm", EPS, 0.0)
+        grad = jax.grad(lambda x, w, b: jnp.sum(jnp.sin(fn(x, w, b))), argnums=(0, 1, 2))
+        ref = jax.jvp(grad, tuple(f64(x, w, b)), tuple(f64(tx, tw, tb)))
+    whats = ["grad"] * 3 + ["hvp"] * 3
+    for got, want, what in zip((*grads, *hvps), (*ref[0], *ref[1]), whats, strict=True):
+        if want is None:
+            assert got is None
+        else:
+            assert_close(got, want, np.max(np.abs(np.asarray(want))), "float32", what)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("params_batched", [False, True])
+@pytest.mark.parametrize("backend", backends())
+def test_vmap_of_jvp(backend, params_batched, op):
+    """A batch of x, the residual and their tangents; the weight's and bias's tangents
+    batched too, or shared."""
+    mix, size = MIXES["all"], 4
+    shape = (size, *JVP_SHAPE[backend])
+    x, w, b, r, tx, tr = operands(backend, op, shape, "float32", mix, key_for("vmap jvp", op))
+    tw, tb = (None if a is None else a * 0.5 for a in (w, b))
+    if params_batched:
+        tw, tb = (None if a is None else jnp.stack([a * i for i in range(size)]) for a in (tw, tb))
+    params_axis = 0 if params_batched else None
+    in_axes = ((0, None, None, 0), (0, params_axis, params_axis, 0))
+    fn = jax.vmap(jvp_of(op, mix), in_axes=in_axes)
+    out = run(backend, fn, (x, w, b, r), (tx, tw, tb, tr), launches=1)
+    for i in range(size):
+        t_params = [a[i] if params_batched and a is not None else a for a in (tw, tb)]
+        one = jax.tree.map(lambda a, i=i: a[i], out)
+        check_jvp(op, mix, (x[i], w, b, r[i]), (tx[i], *t_params, tr[i]), one, f"{op} {i}")
+
+
 # -- bad input --------------------------------------------------------------------------------
 
 X = jnp.ones((4, 8), jnp.bfloat16)
@@ -883,17 +1055,20 @@ LOWERING_MIXES = {
     [(op, k) for op in OPS for k in LOWERING_MIXES if op == "layer_norm" or k != "bias"],
 )
 def test_cuda_lowering_flag_combinations(cuda, op, mix):
-    """One kernel forward, two with the backward; none for empty rows, nor for float64."""
+    """One kernel forward and with ``jax.jvp`` (the tangent is XLA's), two with the
+    backward; none for empty rows, nor for float64."""
     mix = LOWERING_MIXES[mix]
-    f, fb = forward(op, mix), forward_backward(op, mix)
+    f, fb, jvp = forward(op, mix), forward_backward(op, mix), jvp_of(op, mix)
     for shape, dtype, kernels in (((3, 5, 512), "bfloat16", 1), ((0, 512), "bfloat16", 0)):
         args = specs(op, shape, dtype, mix)
         assert launches(f, *args[:4]) == kernels
         assert launches(fb, *args) == 2 * kernels
+        assert launches(jvp, args[:4], args[:4]) == kernels
     with jax.enable_x64(True):
         args = specs(op, (3, 512), "float64", mix)
         assert launches(f, *args[:4]) == 0
         assert launches(fb, *args) == 0
+        assert launches(jvp, args[:4], args[:4]) == 0
 
 
 # -- the kernels the gpu tests launch -----------------------------------------------------------
@@ -935,3 +1110,8 @@ def prebuild_cases():
         x, w, b = specs(op, JIT_SHAPE, "bfloat16", SIN_MIX)[:3]
         yield sin_loss_grads(op, remat=True), (x, w, b)
         yield sin_loss_grads(op, remat=False), (x, w, b)
+        for dtype, name in itertools.product(("float32", "bfloat16"), JVP_MIXES):
+            args = specs(op, JVP_SHAPE["gpu"], dtype, MIXES[name])[:4]
+            yield jvp_of(op, MIXES[name]), (args, args)
+        x, w, b = specs(op, JACOBIAN_SHAPE, "float32", Mix(weight="float32", bias="float32"))[:3]
+        yield jacobians(op), (x, (w,) if op == "rms_norm" else (w, b))
