@@ -569,7 +569,7 @@ def test_implementation_xla(backend, monkeypatch):
     logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float32", "xla")
     alias = quack_jax.softmax_cross_entropy_with_integer_labels
     fns = {
-        "mean": lambda x, **kw: quack_jax.cross_entropy(x, labels, z_loss=1e-3, **kw),
+        "mean": lambda x, **kw: quack_jax.cross_entropy(x, labels, **OPTIONS[7], **kw),
         "rows": lambda x, **kw: jnp.sum(
             quack_jax.cross_entropy(x, labels, reduction="none", return_lse=True, **kw)[1]
         ),
@@ -647,9 +647,11 @@ def test_cuda_lowering_launches(monkeypatch, tmp_path):
     assert launches(lambda x, y: quack_jax.cross_entropy(x, y)) == 1
 
 
-# row lengths and dtypes of the small gpu tests, which run the default options (the
-# kernels do not depend on z_loss, ignore_index or the number of rows)
-SMALL = [(SMALL_N, "float32"), (10, "float32"), (10, "float16")]
+# row lengths and dtypes of the small gpu tests (forward mode also in bfloat16, the
+# float32 limit's rows of 3), which run no options or all of them (the kernels do not
+# depend on the values of z_loss and ignore_index, or on the number of rows)
+SMALL = [(SMALL_N, "float32"), (SMALL_N, "bfloat16"), (10, "float32"), (10, "float16")]
+SMALL += [(3, "float32")]
 
 
 def prebuild_cases():
@@ -659,7 +661,7 @@ def prebuild_cases():
     runs = {(n, dtype, k) for backend, _, n, dtype, k in CASES if backend == "gpu"}
     special = grid("cross_entropy", special=True, backends=("gpu",))
     runs |= {(p.values[1], p.values[2], k) for p in special for k in SPECIAL_OPTIONS}
-    runs |= {(n, dtype, 0) for n, dtype in SMALL}
+    runs |= {(n, dtype, k) for n, dtype in SMALL for k in SPECIAL_OPTIONS}
     for n, dtype, k in sorted(runs):
         logits = jax.ShapeDtypeStruct((8, n), dtype)
         labels, row = jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.float32)
