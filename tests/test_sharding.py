@@ -277,6 +277,35 @@ def test_vocab_parallel_cross_entropy_combines_per_row_statistics(backend, mesh_
         assert np.isnan(grad[1]).all() and (grad[0] == 0).all()
 
 
+@pytest.mark.parametrize(
+    ("backend", "mesh_name"), [backend_param("cpu", "8"), backend_param("gpu", "2")]
+)
+def test_vocab_parallel_cross_entropy_at_large_logits(backend, mesh_name):
+    """Logits offset by 1e7 with the vocabulary split: the slices' statistics combine
+    without lse's rounding, so the gradient matches float64 as at offset 0, and the loss
+    to float32's precision of the loss itself."""
+    mesh = make_mesh(backend, mesh_name, (AxisType.Auto,))
+    noise = jax.random.normal(key_for("vocab", "large"), (VOCAB_ROWS, VOCAB), jnp.float32)
+    x = np.asarray(1e7 + 3.0 * noise, np.float32)
+    labels = (np.arange(VOCAB_ROWS) * 37) % VOCAB
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "a")))
+    ls = jax.device_put(labels, NamedSharding(mesh, P()))
+
+    def rows(x, labels):
+        return quack_jax.cross_entropy(x, labels, reduction="none")
+
+    loss, grad = jax.device_get(jax.jit(jax.value_and_grad(lambda *a: jnp.sum(rows(*a))))(xs, ls))
+    per_row = jax.device_get(jax.jit(rows)(xs, ls))
+    x64 = x.astype(np.float64)
+    top = x64.max(axis=-1, keepdims=True)
+    p = np.exp(x64 - top) / np.sum(np.exp(x64 - top), axis=-1, keepdims=True)
+    hit = np.arange(VOCAB) == labels[:, None]
+    ref_rows = -np.log(p[hit])
+    assert_close(grad, p - hit, p + p.max(axis=-1, keepdims=True), "float32", "dlogits")
+    assert_close(per_row, ref_rows, 1.0 + ref_rows, "float32", "loss")
+    assert_close(loss, ref_rows.sum(), 1.0 + ref_rows.sum(), "float32", "sum")
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="the README's mesh needs 8 devices")
 def test_readme_sharded_train_step():
     """The README's sharded train step runs as written, its loss equals the loss of the
