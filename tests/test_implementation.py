@@ -15,6 +15,7 @@ W = np.linspace(0.5, 1.5, 40, dtype=np.float32)
 OPS = {
     "softmax": lambda x, **kw: quack_jax.softmax(x, **kw),
     "log_softmax": lambda x, **kw: quack_jax.log_softmax(x, axis=0, **kw),
+    "softmax-where": lambda x, **kw: quack_jax.softmax(x, None, X > -1, **kw),
     "rms_norm": lambda x, **kw: quack_jax.rms_norm(x, W, residual=x * 0.5, **kw),
     "layer_norm": lambda x, **kw: quack_jax.layer_norm(x, W, W, prenorm=True, **kw)[0],
 }
@@ -57,7 +58,7 @@ def test_xla(name, how, monkeypatch):
 
 @pytest.mark.parametrize("name", OPS)
 def test_bad_values(name, monkeypatch):
-    op = OPS[name]
+    op, name = OPS[name], name.split("-")[0]
     with pytest.raises(ValueError, match=f"{name}: implementation must be None or 'xla'"):
         op(X, implementation="cuda")
     monkeypatch.setenv("QUACK_JAX_IMPLEMENTATION", "triton")

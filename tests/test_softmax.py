@@ -1,5 +1,6 @@
 """softmax and log_softmax on both backends against float64 references: values and
-gradients over the SPEC's grid, the axis argument (rank 1 to 3), special values, forward
+gradients over the SPEC's grid, the axis argument (rank 1 to 3, tuples, None), where
+(masked elements and rows), special values, forward
 mode, transforms (vmap, checkpoint, the Hessian), empty and float64 inputs, bad input;
 on the GPU also every device, CUDA graphs and CUDA errors.
 
@@ -167,6 +168,104 @@ def test_axis(backend, shape, axis, dtype):
     check(out, ref, dtype, f"{shape} axis={axis}")
 
 
+# (shape, axis, kernel launches): all axes, trailing ones (rows of 100, a gpu grid
+# size), and axes that are not trailing (XLA's formulation)
+AXIS_TUPLES = [((4, 5, 5), None, 4), ((2, 10, 10), (-2, -1), 4), ((10, 10), (0, 1), 4)]
+AXIS_TUPLES += [((3, 4, 5), (0, 2), 0), ((5, 3, 4), (2, 0), 0)]
+
+
+def to_rows(a, axes):
+    """``a`` with ``axes`` moved last and flattened into one (numpy), and its inverse."""
+    axes = tuple(range(a.ndim)) if axes is None else tuple(ax % a.ndim for ax in axes)
+    last = tuple(range(a.ndim - len(axes), a.ndim))
+    moved = np.moveaxis(np.asarray(a), axes, last)
+
+    def back(r):
+        return np.moveaxis(np.asarray(r).reshape(moved.shape), last, axes)
+
+    return moved.reshape(*moved.shape[: last[0]], -1), back
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("shape", "axis", "launches"), AXIS_TUPLES)
+@pytest.mark.parametrize("backend", backends())
+def test_axis_tuples(backend, shape, axis, launches, dtype):
+    """axis=None and tuples: trailing axes on the kernel, others on XLA."""
+    x = random(backend, shape, dtype, shape, axis, dtype, scale=3.0)
+    dy = random(backend, shape, dtype, shape, axis, dtype, "dy")
+    out = run(backend, forward_backward(axis), x, dy, launches=launches)
+    (x_rows, back), (dy_rows, _) = to_rows(x, axis), to_rows(dy, axis)
+    ref = {name: [back(a) for a in r] for name, r in reference_vjp(x_rows, dy_rows).items()}
+    check(out, ref, dtype, f"{shape} axis={axis}")
+
+
+def masked(mask, ref):
+    """Each op's (value, magnitude, derivative, magnitude) from ``reference_vjp`` (or
+    ``reference_jvp``) of x with -inf where ``mask`` is False and the cotangent (or
+    tangent) zeroed there: masked elements, and whole masked rows, give 0 (log_softmax's
+    value -inf) and zero derivatives, as jax.nn."""
+    out = {}
+    for name, (y, y_mag, d, d_mag) in ref.items():
+        fill = -np.inf if name == "log_softmax" else 0.0
+        zeros = (np.where(mask, a, 0.0) for a in (y_mag, d, d_mag))
+        out[name] = [np.where(mask, y, fill), *zeros]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", backends())
+def test_where(backend, dtype):
+    """A mask with fully masked rows, and one broadcast from a column: values, gradients
+    and jvp against float64; the kernels run on the masked x."""
+    shape = (6, 100)
+    x = random(backend, shape, dtype, "where", dtype, scale=3.0)
+    dy = random(backend, shape, dtype, "where", dtype, "dy")
+    mask = np.asarray(random("cpu", shape, "float32", "where", "mask")) > -0.5
+    mask[2] = mask[5] = False
+    rows = np.array([True, False, True, True, False, True])[:, None]
+
+    def f(x, dy, mask, rows):
+        out = {}
+        for name, fn in OPS.items():
+            for key, w in (("mask", mask), ("rows", rows)):
+                y, vjp = jax.vjp(lambda x, fn=fn, w=w: fn(x, -1, w), x)
+                out[name, key] = (
+                    y,
+                    vjp(dy)[0],
+                    jax.jvp(lambda x, fn=fn, w=w: fn(x, where=w), (x,), (dy,))[1],
+                )
+        return out
+
+    out = run(backend, f, x, dy, jnp.asarray(mask), jnp.asarray(rows), launches=12)
+    for key, w in (("mask", mask), ("rows", np.broadcast_to(rows, shape))):
+        x_in = np.where(w, np.asarray(x, np.float32), -np.inf).astype(dtype)
+        dy_in = np.where(w, np.asarray(dy, np.float32), 0).astype(dtype)
+        vjp_ref, jvp_ref = (
+            masked(w, reference_vjp(x_in, dy_in)),
+            masked(w, reference_jvp(x_in, dy_in)),
+        )
+        for name in OPS:
+            y, dx, ty = out[name, key]
+            what = f"{name} where={key}"
+            assert y.dtype == dx.dtype == ty.dtype == dtype
+            y_ref, y_mag, d_ref, d_mag = vjp_ref[name]
+            assert_close(y, y_ref, y_mag, dtype, what)
+            assert_close(dx, d_ref, d_mag, dtype, f"{what} grad")
+            assert_close(ty, *jvp_ref[name][2:], dtype, f"{what} jvp")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_bad_where(name):
+    x = jnp.ones((2, 3))
+    for where, error, message in (
+        (jnp.ones((3, 3), bool), ValueError, r"where must broadcast to x's shape \(2, 3\)"),
+        (jnp.ones((2, 3), jnp.int32), TypeError, "where must be a boolean array, got dtype"),
+        ([True, False, True], TypeError, "where must be a boolean array, got list"),
+    ):
+        with pytest.raises(error, match=f"{name}: {message}"):
+            OPS[name](x, where=where)
+
+
 @pytest.mark.parametrize(("backend", "n", "dtype"), grid("softmax", special=True))
 def test_special_values(backend, n, dtype):
     """NaN, +-inf and large values propagate as in jax.nn (float64)."""
@@ -270,7 +369,10 @@ def test_float64_uses_reference(backend):
         ((jnp.ones((2, 3)), 2), ValueError, "axis 2 is out of range"),
         ((jnp.ones((2, 3)), -3), ValueError, "axis -3 is out of range"),
         ((jnp.ones((2, 3)), 1.0), TypeError, "axis must be an int"),
-        ((jnp.ones((2, 3)), (0, 1)), TypeError, "axis must be an int"),
+        ((jnp.ones((2, 3)), (0, 1.0)), TypeError, "axis must be an int"),
+        ((jnp.ones((2, 3)), (0, 2)), ValueError, "axis 2 is out of range"),
+        ((jnp.ones((2, 3)), (1, -1)), ValueError, "axis must name each axis once"),
+        ((jnp.ones((2, 3)), ()), ValueError, "axis must name each axis once, and at least one"),
     ],
 )
 @pytest.mark.parametrize("name", OPS)
