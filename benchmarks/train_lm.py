@@ -615,6 +615,14 @@ def max_batch_cell(found: dict) -> str:
     return f"{'>= ' if found['capped'] else ''}{found['batch']}{size}"
 
 
+def against(name: str, seconds: float, stock: float) -> str:
+    """``name``'s step time beside stock's, and which is faster by how much."""
+    ratio = (
+        f"{stock / seconds:.2f}x faster" if seconds <= stock else f"{seconds / stock:.2f}x slower"
+    )
+    return f"{name} {1e3 * seconds:.2f} ms/step, stock {1e3 * stock:.2f} ms/step: {name} {ratio}"
+
+
 def summary(records: dict) -> str:
     searched = [r["max_batch"] for r in records.values() if "max_batch" in r]
     lines = [
@@ -640,14 +648,13 @@ def summary(records: dict) -> str:
             )
         else:
             lines.append(f"\nmax batch: not searched: {searched[0]['reason']}")
-    speedups = [
-        f"{name} over stock: "
-        f"{records['stock']['step_seconds'] / records[variant]['step_seconds']:.3f}x step time"
+    against_stock = [
+        against(name, records[variant]["step_seconds"], records["stock"]["step_seconds"])
         for variant, name in (("quack", "quack_jax"), ("quack_jax_fused", "quack_jax_fused"))
         if {"stock", variant} <= records.keys()
     ]
-    if speedups:
-        lines.append("\n" + "\n".join(speedups))
+    if against_stock:
+        lines.append("\n" + "\n".join(against_stock))
     profiled = {v: r["profile"] for v, r in records.items() if r["profile"]}
     if profiled:
         lines += ["", "Device time per step by model part, ms (share of the step):", ""]

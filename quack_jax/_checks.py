@@ -28,12 +28,12 @@ def float_array(fn: str, name: str, x):
     return jnp.asarray(x)
 
 
-def axis_index(fn: str, axis, ndim: int) -> int:
-    """``axis`` normalised to [0, ndim)."""
+def axis_index(fn: str, axis, ndim: int, allowed: str = "an int") -> int:
+    """``axis`` normalised to [0, ndim); ``allowed`` says what ``fn`` takes as an axis."""
     try:
         index = operator.index(axis)
     except TypeError:
-        raise TypeError(f"{fn}: axis must be an int, got {type(axis).__name__}") from None
+        raise TypeError(f"{fn}: axis must be {allowed}, got {type(axis).__name__}") from None
     if not -ndim <= index < ndim:
         raise ValueError(f"{fn}: axis {axis} is out of range for an array of rank {ndim}")
     return index % ndim

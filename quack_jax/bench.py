@@ -1,38 +1,41 @@
 """quack_jax against XLA (and Flax, for the norms), side by side in one process: each op's
-forward, and forward plus backward (``jax.vjp``), on the shapes of the project's anchors.
+forward, and forward plus backward (jax.vjp), on the shapes of the project's anchors.
 
     python -m quack_jax.bench                  # every op's table on this machine's default device
-    python -m quack_jax.bench --quick          # small shapes, about a minute on a 2-core CPU
+    python -m quack_jax.bench --quick          # small shapes, under a minute on a 2-core CPU
     python -m quack_jax.bench --ops rms_norm --tune --out DIR  # and every candidate tiling (GPU)
 
-Ops (``--ops``): the benchmarks each op family declares in its ``SPEC`` (softmax,
-rms_norm, layer_norm, cross_entropy); each writes ``<op>.md``, ``<op>.json`` and, with
-matplotlib installed, ``<op>.png`` to ``--out``.
+Ops (--ops): the benchmarks each op family declares in its SPEC (softmax, rms_norm,
+layer_norm, cross_entropy); each writes <op>.md, <op>.json and, with matplotlib
+installed, <op>.png to --out. Without a GPU that runs quack_jax's kernels, quack_jax runs
+its XLA fallback: the tables then compare XLA with XLA and show no speedups, and the full
+shapes, sized for a GPU, take about two hours on a 2-core CPU.
 
 Timing: one jitted function applies the op to K distinct inputs (no common subexpressions,
-no L2 reuse), K chosen so one call moves about 10 GB; after a warm-up, each sample is
-three back-to-back calls (so host dispatch overlaps the GPU's work), and the result is the
-median of the samples divided by 3 K. The references are timed the same way on the same
-inputs: XLA's ``jax.nn.softmax``; for the norms a plain jnp formulation (float32 math,
-rsqrt, LayerNorm with the centred variance, cast back to x's dtype) and Flax's
-``nn.RMSNorm`` / ``nn.LayerNorm`` (dtype x's, float32 params, the same epsilon, applied
-with the same weight and bias). So is the ceiling: ``x * 2`` over float32 arrays of the
-same byte size. TB/s counts the bytes the op must move at least, e being x's element size:
+no L2 reuse), K chosen so one call moves about 10 GB (10 with --quick; 1 where quack_jax
+runs its XLA fallback); after a warm-up, each sample is three back-to-back calls (so host
+dispatch overlaps the GPU's work), and the result is the median of the samples divided by
+3 K. The references are timed the same way on the same inputs: XLA's jax.nn.softmax; for
+the norms a plain jnp formulation (float32 math, rsqrt, LayerNorm with the centred
+variance, cast back to x's dtype) and Flax's nn.RMSNorm / nn.LayerNorm (dtype x's,
+float32 params, the same epsilon, applied with the same weight and bias). So is the
+ceiling: x * 2 over float32 arrays of the same byte size. TB/s counts the bytes the op
+must move at least, e being x's element size:
 
-- softmax: forward 2*M*N*e (read x, write y); forward+backward, ``jax.vjp`` that also
+- softmax: forward 2*M*N*e (read x, write y); forward+backward, jax.vjp that also
   returns y (as in training, where y is used), 5*M*N*e (the forward reads x and writes y,
   the backward reads x or y and dy and writes dx).
 - cross_entropy, labels uniform in [0, N), reduction "mean": forward M*N*e (read the
-  logits); forward+backward, ``jax.grad`` of the mean loss w.r.t. the logits, 2*M*N*e
+  logits); forward+backward, jax.grad of the mean loss w.r.t. the logits, 2*M*N*e
   (read the logits, write their gradient: quack_jax's one forward kernel that also writes
   the gradient moves exactly that). XLA is optax's formulation in float32.
 - rms_norm, layer_norm, with a float32 weight (and bias) of shape (N,) and y in x's dtype:
-  forward 2*M*N*e; forward+backward, ``jax.vjp`` w.r.t. x, weight and bias that also
+  forward 2*M*N*e; forward+backward, jax.vjp w.r.t. x, weight and bias that also
   returns y, 5*M*N*e (the forward reads x and writes y, the backward reads x and dy and
   writes dx; the weight and bias bytes are negligible).
 
-``--tune`` times every candidate tiling of each kernel alone: the forward op, the
-backward kernel by itself (softmax's derivative; the norms' and cross-entropy's backward
+--tune times every candidate tiling of each kernel alone: the forward op, the backward
+kernel by itself (softmax's derivative; the norms' and cross-entropy's backward
 primitives with the saved statistics precomputed), and cross-entropy's forward that also
 writes the gradient.
 """
@@ -125,7 +128,11 @@ def make_inputs(arguments, count, seed):
 
 def input_count(op: Benchmark, size: int, quick: bool = False) -> int:
     """How many distinct inputs of ``size`` bytes (an (M, N) array) one timed call takes:
-    about TARGET_BYTES moved, within the memory budget."""
+    about TARGET_BYTES moved, within the memory budget; 10 for ``quick``; 1 where
+    quack_jax runs its XLA fallback (no kernel launches to amortise, and XLA against XLA
+    needs no more than a smoke test's accuracy)."""
+    if not kernel_device():
+        return 1
     if quick:
         return 10
     most = MEMORY_BUDGET // (op.footprint * size)
@@ -211,11 +218,14 @@ def cell(op: Benchmark, r, kind, *keys) -> str:
     return f"{values[0] / values[1]:.0%}"  # fraction
 
 
-def table(op: Benchmark, rows) -> str:
-    headers = ["dtype", "M x N"] + [c[0] for c in op.columns]
+def table(op: Benchmark, rows, fallback: bool) -> str:
+    """The op's table; with ``fallback`` (quack_jax ran its XLA fallback, so its columns
+    time XLA too) without the speedup columns."""
+    columns = [c for c in op.columns if not (fallback and c[1] == "speedup")]
+    headers = ["dtype", "M x N"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(headers) + " |", "| --- " * len(headers) + "|"]
     for r in rows:
-        cells = [r["dtype"], f"{r['m']} x {r['n']}"] + [cell(op, r, *c[1:]) for c in op.columns]
+        cells = [r["dtype"], f"{r['m']} x {r['n']}"] + [cell(op, r, *c[1:]) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -286,33 +296,56 @@ def plot(op: Benchmark, rows, path, title):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m quack_jax.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", type=pathlib.Path, help="write <op>.{md,json,png} here")
     ops = benchmarks()
-    parser.add_argument("--ops", nargs="+", default=list(ops), choices=list(ops))
+    parser.add_argument(
+        "--ops", nargs="+", default=list(ops), choices=list(ops), help="default: all"
+    )
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--tune", action="store_true", help="also time candidate tilings")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--dtypes", nargs="+", default=DTYPES, choices=DTYPES)
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=7,
+        help="timed samples per function (their median is reported); default: 7",
+    )
+    parser.add_argument(
+        "--dtypes", nargs="+", default=DTYPES, choices=DTYPES, help="input dtypes; default: both"
+    )
     parser.add_argument("--sizes", nargs="+", type=int, help="only shapes with these N")
     args = parser.parse_args(argv)
     if args.tune and not kernel_device():
         parser.error("--tune times kernels, so it needs a GPU that runs them")
+    fallback = not kernel_device()
     print(describe(), flush=True)
+    if not args.quick and jax.devices()[0].platform == "cpu":
+        print(
+            "The full shapes are sized for a GPU: on a CPU they take hours (about two on 2 "
+            "cores). --quick runs small shapes in under a minute.",
+            flush=True,
+        )
     if importlib.util.find_spec("flax") is None:
         print("flax is not installed: the norms' Flax columns stay empty", flush=True)
     for name in args.ops:
         op = ops[name]
+        shapes = [
+            (dtype, m, n)
+            for dtype in args.dtypes
+            for m, n in (op.quick_shapes if args.quick else op.shapes)
+            if not args.sizes or n in args.sizes
+        ]
         rows = []
-        for dtype in args.dtypes:
-            for m, n in op.quick_shapes if args.quick else op.shapes:
-                if args.sizes and n not in args.sizes:
-                    continue
-                rows.append(bench_shape(op, m, n, dtype, args.reps, args.tune, args.quick))
-                print(f"  {name} {dtype} {m}x{n} done", file=sys.stderr, flush=True)
+        for i, (dtype, m, n) in enumerate(shapes, 1):
+            print(f"  {name} {dtype} {m}x{n} ({i} of {len(shapes)})", file=sys.stderr, flush=True)
+            rows.append(bench_shape(op, m, n, dtype, args.reps, args.tune, args.quick))
         header = f"{name}, {datetime.date.today()}, {describe()}, jax {jax.__version__}\n\n"
-        report = header + table(op, rows)
+        if fallback:
+            header += "No speedups: quack_jax ran its XLA fallback, so it times XLA too.\n\n"
+        report = header + table(op, rows, fallback)
         if args.tune:
             report += "\n\nTuning (each candidate tiling timed alone):\n\n" + tuning_table(op, rows)
         print(report, flush=True)

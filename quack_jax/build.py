@@ -1,20 +1,21 @@
-"""Precompile kernels into a cubin cache: ``python -m quack_jax.build --help``.
-
-Needs nvidia-cutlass-dsl but no GPU. Example, every softmax kernel for two row lengths::
+"""Compile quack_jax's kernels into a cubin cache, so that GPU runs load them instead of
+compiling them. Needs CuTe-DSL (pip install "quack-jax[cuda]") but no GPU. Example, every
+softmax kernel for two row lengths:
 
     python -m quack_jax.build --arch sm_90a --cache .cubins --ops softmax log_softmax \\
         --dtypes float32 bfloat16 float16 --sizes 4096 32000
 
-Every op family declares, in its ``SPEC`` (see ``_registry``), functions whose lowering
-for CUDA launches its kernels; the build lowers them, which compiles exactly the kernels
-a GPU run of them would launch. Norm and cross-entropy kernels come in variants (norms:
-weight and bias dtypes, residual, output dtype; cross-entropy: label smoothing, softcap);
-the build covers the usual ones (no weight, weights in x's dtype or float32; with and
-without a residual, pre-norm or not; output in x's dtype; every cross-entropy variant).
+Every op family declares, in its SPEC (see quack_jax/_registry.py), functions whose
+lowering for CUDA launches its kernels; the build lowers them, which compiles exactly the
+kernels a GPU run of them would launch. Norm and cross-entropy kernels come in variants
+(norms: weight and bias dtypes, residual, output dtype; cross-entropy: label smoothing,
+softcap); the build covers the usual ones (no weight, weights in x's dtype or float32;
+with and without a residual, pre-norm or not; output in x's dtype; every cross-entropy
+variant).
 
-``--packaged`` builds the kernels that ship inside the wheel (``quack_jax/cubins``) for
-the row lengths of popular open models (``COMMON_MODELS``), every op and dtype, in the
-most used variants; run it before building the wheel::
+--packaged builds the kernels that ship inside the wheel (quack_jax/cubins) for the row
+lengths of popular open models (COMMON_MODELS in quack_jax/build.py), every op and dtype,
+in the most used variants; run it before building the wheel:
 
     python -m quack_jax.build --packaged && pip wheel --no-deps . -w dist
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import time
 from collections.abc import Callable
@@ -111,11 +113,25 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--arch", default="sm_90a", choices=ARCHS)
-    parser.add_argument("--cache", help="cache folder (default: $QUACK_JAX_CACHE or ~/.cache)")
+    parser.add_argument(
+        "--arch", default="sm_90a", choices=ARCHS, help="the GPU architecture; default: sm_90a"
+    )
+    parser.add_argument(
+        "--cache",
+        help="cache folder; default: $QUACK_JAX_CACHE, else $XDG_CACHE_HOME/quack_jax, "
+        "else ~/.cache/quack_jax",
+    )
     choices = list(_registry.specs())
-    parser.add_argument("--ops", nargs="+", default=choices, choices=choices)
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument(
+        "--ops", nargs="+", default=choices, choices=choices, help="public ops; default: all"
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=list(DTYPES),
+        choices=DTYPES,
+        help="input dtypes; default: all",
+    )
     parser.add_argument("--sizes", nargs="+", type=int, help="row lengths n")
     parser.add_argument(
         "--packaged",
@@ -123,6 +139,12 @@ def main(argv: list[str] | None = None) -> None:
         help="the kernels shipped in the wheel (quack_jax/cubins), for COMMON_MODELS",
     )
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("cutlass") is None:
+        parser.exit(
+            1,
+            f"{parser.prog} compiles kernels with CuTe-DSL, which is not installed: "
+            'pip install "quack-jax[cuda]"\n',
+        )
     if args.packaged:
         from ._cache import PACKAGED
 

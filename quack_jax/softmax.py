@@ -127,9 +127,10 @@ def _axes(fn: str, axis, ndim: int) -> tuple:
     """``axis`` (an int, a tuple of ints, or None for all) as sorted axes in [0, ndim)."""
     if axis is None:
         return tuple(range(ndim))
+    allowed = "an int, a tuple of ints or None"
     if not isinstance(axis, tuple | list):
-        return (axis_index(fn, axis, ndim),)
-    axes = sorted(axis_index(fn, a, ndim) for a in axis)
+        return (axis_index(fn, axis, ndim, allowed),)
+    axes = sorted(axis_index(fn, a, ndim, allowed) for a in axis)
     if not axes or len(set(axes)) < len(axes):
         raise ValueError(
             f"{fn}: axis must name each axis once, and at least one, got {tuple(axis)}"

@@ -26,7 +26,18 @@ def test_bench_writes_tables_with_byte_counts(bench_dir):
         assert [(r["m"], r["n"]) for r in result["rows"]] == bench.benchmarks()[op].quick_shapes
         for row in result["rows"]:
             assert all(row[key] > 0 for key in result["meta"]["passes"])
-        assert "| float32 |" in (bench_dir / f"{op}.md").read_text()
+            assert row["k"] == 1  # one input per call on the fallback: a quick run
+        table = (bench_dir / f"{op}.md").read_text()
+        assert "| float32 |" in table
+        # XLA against XLA: no speedup presented
+        assert "No speedups: quack_jax ran its XLA fallback" in table
+        assert "speedup" not in table.split("No speedups")[1] and "x |" not in table
+
+
+def test_bench_on_a_cpu_says_how_long(capsys):
+    bench.main(["--ops", "softmax", "--sizes", "1"])  # the full shapes, none of them run
+    out = capsys.readouterr().out
+    assert "XLA fallback" in out and "take hours" in out and "--quick" in out
 
 
 def test_report_beside_quack(bench_dir, monkeypatch):
@@ -72,9 +83,11 @@ def test_bench_skips_kernels_it_cannot_get(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "time_per_call", time_per_call)
     args = ["--quick", "--ops", "softmax", "--dtypes", "float32", "--reps", "1"]
     bench.main([*args, "--out", str(tmp_path)])
-    assert "quack_jax fwd float32 4096x1024 not timed: no cubin" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "quack_jax fwd float32 4096x1024 not timed: no cubin" in out
+    assert "softmax float32 4096x1024 (1 of 2)" in err  # progress, before each shape
     rows = json.loads((tmp_path / "softmax.json").read_text())["rows"]
     assert all(r["quack_fwd"] is None and r["xla_fwd"] > 0 for r in rows)
     table = (tmp_path / "softmax.md").read_text().splitlines()
     cells = [c.strip() for c in next(x for x in table if "4096 x 1024" in x).split("|")]
-    assert cells[4] == "-" and cells[5] != "-" and cells[6] == "-"  # quack, XLA, speedup
+    assert cells[4] == "-" and cells[5] != "-" and cells[6] == "-"  # quack, XLA, fwd / copy

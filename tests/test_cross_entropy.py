@@ -607,6 +607,12 @@ BAD = [
     (dict(label_smoothing=jnp.float32(0.1)), TypeError, "label_smoothing must be a Python float"),
     (dict(z_loss=-1.0), ValueError, "z_loss must be"),
     (dict(logit_softcap=0.0), ValueError, "logit_softcap must be positive"),
+    (dict(logit_softcap=-1.0), ValueError, "logit_softcap must be positive and finite, got"),
+    (
+        dict(labels=jnp.zeros((4,), jnp.float16)),
+        TypeError,
+        r"labels must have an integer dtype \(any width\)",
+    ),
     (dict(logit_softcap=float("inf")), ValueError, "logit_softcap must be"),
     (dict(ignore_index=1.5), TypeError, "ignore_index must be a Python int"),
     (dict(ignore_index=2**40), ValueError, "ignore_index must fit in int32"),

@@ -1,9 +1,12 @@
 """The package's import structure: no import circle among quack_jax's modules (imports
-inside functions included), and JAX's private API used in one module only."""
+inside functions included), JAX's private API used in one module only, and one clear
+line naming the extra where an optional dependency is missing."""
 
 import ast
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import quack_jax
 
@@ -68,3 +71,41 @@ def test_private_jax_api_in_one_module():
         if "jax._src" in path.read_text() and not name.endswith("_jax_private")
     }
     assert not users, users
+
+
+WITHOUT = """
+import importlib.util, runpy, sys
+real = importlib.util.find_spec
+importlib.util.find_spec = lambda name, *a: (
+    None if name.split(".")[0] == {missing!r} else real(name, *a)
+)
+{run}
+"""
+
+
+def without(missing: str, run: str) -> subprocess.CompletedProcess:
+    """``run`` in a fresh Python in which ``missing`` looks not installed."""
+    code = WITHOUT.format(missing=missing, run=run)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_build_without_cutdsl_says_what_to_install():
+    """``python -m quack_jax.build`` without CuTe-DSL: one line naming the extra, exit 1."""
+    run = 'sys.argv = ["x"]; runpy.run_module("quack_jax.build", run_name="__main__")'
+    done = without("cutlass", run)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert 'pip install "quack-jax[cuda]"' in done.stderr
+
+
+def test_flax_modules_without_flax_say_what_to_install():
+    """``import quack_jax.flax`` without Flax: a ModuleNotFoundError naming the extra."""
+    run = """
+try:
+    import quack_jax.flax
+except ModuleNotFoundError as error:
+    print(error)
+"""
+    done = without("flax", run)
+    assert done.returncode == 0 and done.stdout.strip().count("\n") == 0, done.stderr
+    assert 'pip install "quack-jax[flax]"' in done.stdout

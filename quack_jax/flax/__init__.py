@@ -22,8 +22,17 @@ its dtype promotion and precision: ``nnx.linear_cross_entropy(head, x, labels)``
 the same parameters, called with the labels) and ``linen.embed_cross_entropy(embed, x,
 labels)`` for a tied ``nn.Embed``.
 
-Flax is an optional dependency: ``import quack_jax`` never imports it, this package does.
+Flax is an optional dependency: ``import quack_jax`` never imports it, this package does,
+and without it raises a ``ModuleNotFoundError`` that names the extra to install.
 """
+
+import importlib.util
+
+if importlib.util.find_spec("flax") is None:
+    raise ModuleNotFoundError(
+        'quack_jax.flax needs Flax, which is not installed: pip install "quack-jax[flax]"',
+        name="flax",
+    )
 
 from . import linen, nnx
 
