@@ -303,7 +303,7 @@ def main(argv=None):
     parser.add_argument("--out", type=pathlib.Path, help="write <op>.{md,json,png} here")
     ops = benchmarks()
     parser.add_argument(
-        "--ops", nargs="+", default=list(ops), choices=list(ops), help="default: all"
+        "--ops", nargs="+", default=list(ops), choices=list(ops), help="ops to time; default: all"
     )
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--tune", action="store_true", help="also time candidate tilings")
