@@ -6,9 +6,10 @@ makes the chunk's logits, and the cross-entropy kernel that writes the gradient 
 over them (an aliased output, so the chunk has one (rows, V) buffer); two more GEMMs give
 the chunk's rows of dh and add its share of dW (and of the bias gradient) to float32
 accumulators. A "sum" or "mean" loss has its gradients at the end of the forward pass,
-and ``custom_vjp`` scales them by the cotangent. Per-row losses (or lse) keep lse, and
-the backward makes each chunk's logits again and runs the backward kernel over them in
-place. Only the gradients that autodiff asks for are made (``symbolic_zeros``).
+and ``custom_vjp`` scales them by the cotangent. Per-row losses (or lse) keep the row
+statistics (shift, logsum; see ``cross_entropy``), and the backward makes each chunk's
+logits again and runs the backward kernel over them in place. Only the gradients that
+autodiff asks for are made (``symbolic_zeros``).
 
 Under a sharded ``jit`` the op partitions itself (``custom_partitioning``): each device
 runs the chunks of its own rows, and dW is summed over the devices that split the rows
