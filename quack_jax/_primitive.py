@@ -128,6 +128,38 @@ def resident_ctas(kernel, tiling, sms: int) -> int:
     return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
 
 
+# Where XLA's fused formulation (the primitive's reference) is faster than the kernel:
+# small and decode shapes, whose time is the launch and a grid that fills few SMs. By
+# primitive name, a predicate of (rows, row length, itemsize); measured on the H200
+# (``python -m quack_jax.bench --latency``, benchmarks/NOTES.md, issue 17).
+REFERENCE_FASTER: dict[str, Callable[[int, int, int], bool]] = {}
+PATHS = ("auto", "kernel", "reference")
+_path = ["auto"]
+
+
+@contextlib.contextmanager
+def lowering_path(path: str):
+    """Inside the block, primitives lower to ``path``: "auto" (kernels, except at the
+    shapes of ``REFERENCE_FASTER``), "kernel" (kernels wherever they apply: the tests
+    and the benchmark's kernel columns) or "reference" (XLA's formulation everywhere)."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    _path.append(path)
+    try:
+        yield
+    finally:
+        _path.pop()
+
+
+def use_kernel(name: str, aval) -> bool:
+    """Whether the primitive ``name`` launches its kernel for rows like ``aval``'s, on a
+    target that has kernels (see ``lowering_path``)."""
+    if _path[-1] != "auto":
+        return _path[-1] == "kernel"
+    faster = REFERENCE_FASTER.get(name)
+    return not (faster and faster(rows(aval), aval.shape[-1], aval.dtype.itemsize))
+
+
 _one_wave = [True]
 
 
@@ -225,7 +257,8 @@ class RowwisePrimitive:
         reference = functools.partial(self._reference_outputs, **params)
 
         def make(avals_in, avals_out):
-            fn = target and self.kernel(target, avals_in, avals_out, **params)
+            kernel = target and use_kernel(self.primitive.name, avals_in[0])
+            fn = kernel and self.kernel(target, avals_in, avals_out, **params)
             return fn or reference
 
         n_in, n_out = len(ctx.avals_in), len(ctx.avals_out)

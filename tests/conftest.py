@@ -16,7 +16,7 @@ os.environ["XLA_FLAGS"] = (
 import jax
 import pytest
 
-from quack_jax._primitive import kernel_arch
+from quack_jax._primitive import kernel_arch, lowering_path
 
 
 def kernel_devices():
@@ -44,10 +44,13 @@ def pytest_collection_modifyitems(config, items):
 def _backend(request, monkeypatch):
     """``gpu`` tests run on the default (CUDA) device, and every kernel lowered meanwhile
     fills its outputs with NaN before it runs, so a test sees any element a kernel fails
-    to write; the others run on the CPU device."""
-    if "gpu" in request.keywords:
-        monkeypatch.setenv("QUACK_JAX_POISON_OUTPUTS", "1")
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
+    to write; the others run on the CPU device. Every lowering for CUDA launches the
+    kernels wherever they apply, also at the small shapes where quack_jax picks XLA's
+    path (``_primitive.REFERENCE_FASTER``): the tests are of the kernels."""
+    with lowering_path("kernel"):
+        if "gpu" in request.keywords:
+            monkeypatch.setenv("QUACK_JAX_POISON_OUTPUTS", "1")
             yield
+        else:
+            with jax.default_device(jax.devices("cpu")[0]):
+                yield
