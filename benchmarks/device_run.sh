@@ -5,7 +5,8 @@
 # on a CPU machine; the GPU machine has no CuTe-DSL.
 # bench runs every op (softmax, rms_norm, layer_norm, cross_entropy). Tuning several takes
 # longer than one device call: pick them with TUNE_OPS="rms_norm" (default: softmax,
-# rms_norm, layer_norm). ncu times each kernel of the benchmark's shapes once.
+# rms_norm, layer_norm). ncu (after bench) times each function of the bench's rows by
+# kernel time (benchmarks/profile_kernels.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 QUACK_JAX_CACHE=${QUACK_JAX_CACHE:-.cubins}
 OUT=${OUT:-/tmp/quack_jax_out}
@@ -28,10 +29,10 @@ for step in "$@"; do
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
     nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m quack_jax.bench \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
-    ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --csv --print-units base --log-file "$OUT/ncu.csv" \
-             --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \
-             python3 benchmarks/profile_kernels.py >/dev/null 2>&1 || status=1
-         python3 benchmarks/profile_kernels.py --report "$OUT/ncu.csv" | tee "$OUT/ncu.txt" ;;
+    ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --metrics gpu__time_duration.sum \
+             --csv --print-units base --log-file "$OUT/bench/ncu_jax.csv" \
+             python3 benchmarks/profile_kernels.py jax "$OUT/bench" >/dev/null 2>&1 || status=1
+         python3 benchmarks/profile_kernels.py report "$OUT/bench" | tee "$OUT/ncu.txt" ;;
     esac
 done
 exit $status

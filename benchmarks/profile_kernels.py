@@ -1,70 +1,166 @@
-"""Kernel-level timing with Nsight Compute, free of launch gaps and dispatch.
+"""Kernel time per op from Nsight Compute, measured the same way for quack_jax, XLA and
+QuACK for PyTorch, on the rows of a ``quack_jax.bench`` run:
 
-    ncu --clock-control none --csv --print-units base --log-file ncu.csv \\
-        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
-        python benchmarks/profile_kernels.py
-    python benchmarks/profile_kernels.py --report ncu.csv
+    python -m quack_jax.bench --out DIR
+    ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \\
+        --log-file DIR/ncu_jax.csv python benchmarks/profile_kernels.py jax DIR
+    ncu ...same... --log-file DIR/ncu_quack.csv python benchmarks/profile_kernels.py quack DIR
+    python benchmarks/profile_kernels.py report DIR
 
-The first form runs each benchmark shape of each op once (``--ops``, default all): every
-function the benchmark times (quack_jax's forward and vjp, XLA's, Flax's for the norms)
-and a copy; the second prints each kernel's duration and achieved DRAM bandwidth.
+``jax`` runs, for every row of ``DIR/<op>.json``, quack_jax's and XLA's forward and
+forward+backward (the bench's functions) once each on one input, and the bench's copy
+(``x * 2`` over float32 arrays of the same bytes); ``quack`` runs QuACK's
+(``quack_torch.py``'s functions). Each function runs once to compile and warm up, then
+once between two marker kernels (``torch.cuda._sleep``, named ``spin_kernel``), and the
+labels of the marked runs go to ``DIR/<stack>_labels.json`` in order. ncu serialises the
+kernels and, by default, flushes the caches before each one, so every stack's kernels
+start cold and alone. ``report`` splits each ncu log at the markers and sums each marked
+run's kernels (a function's whole device time: its kernels, and any copies, converts or
+fills its framework launches), into ``DIR/kernel_times.json``: seconds and the kernels'
+names per (stack, op, dtype, M, N, pass).
 """
+
+from __future__ import annotations
 
 import argparse
 import csv
+import json
+import pathlib
 import sys
-from collections import defaultdict
+
+MARKER = "spin_kernel"
+PASSES = ("fwd", "fwd_bwd")
 
 
-def run(ops):
+def bench_rows(folder: pathlib.Path):
+    """(op, row) for every row of the bench's JSONs in ``folder``."""
+    for path in sorted(folder.glob("*.json")):
+        bench = json.loads(path.read_text())
+        if "passes" in bench.get("meta", {}):
+            yield from ((path.stem, r) for r in bench["rows"])
+
+
+def run_marked(functions, folder: pathlib.Path, stack: str, sync) -> None:
+    """Warm each (label, thunk) up, then run it once between two markers; save the labels."""
+    import torch
+
+    labels = []
+    for label, thunk in functions:
+        sync(thunk())
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1000)
+        sync(thunk())
+        torch.cuda._sleep(1000)
+        torch.cuda.synchronize()
+        labels.append(label)
+    (folder / f"{stack}_labels.json").write_text(json.dumps(labels, indent=1))
+
+
+def jax_functions(folder: pathlib.Path):
     import jax
 
-    from quack_jax.bench import DTYPES, benchmarks, make_inputs
+    from quack_jax._tiling import ITEMSIZE
+    from quack_jax.bench import benchmarks, make_inputs
 
-    for name in ops:
-        op = benchmarks()[name]
-        for dtype in DTYPES:
-            for m, n in op.shapes:
-                (arguments,) = make_inputs(op.arguments(m, n, dtype), 1, seed=m)
-                for case in op.cases:
-                    jax.block_until_ready(jax.jit(case.fn)(*arguments[: case.args]))
-                jax.block_until_ready(jax.jit(lambda x: x * 2)(arguments[0]))
+    ops = benchmarks()
+    for op_name, r in bench_rows(folder):
+        op, (m, n, dtype) = ops[op_name], (r["m"], r["n"], r["dtype"])
+        (arguments,) = make_inputs(op.arguments(m, n, dtype), 1, seed=m * n)
+        (words,) = make_inputs([((m, n * ITEMSIZE[dtype] // 4), "float32")], 1, seed=m)
+        copy = jax.jit(lambda x: x * 2)
+        label = dict(stack="copy", op=op_name, dtype=dtype, m=m, n=n, pass_="fwd")
+        yield label, lambda f=copy, a=words: f(*a)
+        for impl in ("quack", "xla"):
+            for pass_ in PASSES:
+                case = next(c for c in op.cases if c.key == f"{impl}_{pass_}")
+                fn = jax.jit(case.fn)
+                args = arguments[: case.args]
+                label = dict(stack="quack_jax" if impl == "quack" else "XLA", op=op_name)
+                yield label | dict(dtype=dtype, m=m, n=n, pass_=pass_), lambda f=fn, a=args: f(*a)
 
 
-def report(path):
-    """Per kernel: duration and DRAM bytes, from ncu's CSV (times in ns, sizes in bytes)."""
-    rows = defaultdict(dict)
+def quack_functions(folder: pathlib.Path):
+    import torch
+    from quack_torch import DTYPES, forward, forward_backward, inputs
+
+    for op_name, r in bench_rows(folder):
+        m, n, dtype = r["m"], r["n"], r["dtype"]
+        (arguments,) = inputs(op_name, m, n, DTYPES[dtype], 1)
+        for pass_, fn in zip(PASSES, (forward(op_name), forward_backward(op_name)), strict=True):
+            label = dict(stack="QuACK", op=op_name, dtype=dtype, m=m, n=n, pass_=pass_)
+
+            def thunk(f=fn, a=arguments, label=label):
+                try:
+                    return f(*a)
+                except Exception as error:  # QuACK does not compile some shapes
+                    print(f"QuACK {label}: {type(error).__name__}: {str(error)[:200]}")
+                    return None
+
+            yield label, thunk
+        del arguments
+        torch.cuda.empty_cache()
+
+
+def ncu_kernels(path: pathlib.Path):
+    """(name, seconds) of every kernel in ncu's CSV log, in launch order."""
     with open(path) as f:
         lines = [line for line in f if line.startswith('"')]
-    units = set()
+    kernels = {}
     for rec in csv.DictReader(lines):
-        key = (rec["ID"], rec["Kernel Name"][:56], rec["Grid Size"])
-        scale = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3}.get(rec["Metric Unit"], 1.0)
-        rows[key][rec["Metric Name"]] = float(rec["Metric Value"].replace(",", "")) * scale
-        units.add((rec["Metric Name"], rec["Metric Unit"]))
-    print("units:", sorted(units))
-    print(f"{'kernel':56s} {'grid':>14s} {'us':>9s} {'MB':>9s} {'TB/s':>6s}")
-    for (_, name, grid), m in rows.items():
-        seconds = m.get("gpu__time_duration.sum", 0.0)
-        nbytes = m.get("dram__bytes_read.sum", 0.0) + m.get("dram__bytes_write.sum", 0.0)
-        if nbytes > 32e6 and seconds > 0:
+        if rec["Metric Name"] == "gpu__time_duration.sum":
+            unit = rec["Metric Unit"].removesuffix("second").removesuffix("s") or "s"
+            scale = {"n": 1e-9, "u": 1e-6, "m": 1e-3, "s": 1.0}[unit]
+            value = float(rec["Metric Value"].replace(",", "")) * scale
+            kernels[int(rec["ID"])] = (rec["Kernel Name"], value)
+    return [kernels[i] for i in sorted(kernels)]
+
+
+def marked_runs(kernels):
+    """The kernels between the 2j-th and (2j+1)-th markers, for each j."""
+    segments, current = [], []
+    for name, seconds in kernels:
+        if MARKER in name:
+            segments.append(current)
+            current = []
+        else:
+            current.append((name, seconds))
+    return segments[1::2]
+
+
+def report(folder: pathlib.Path) -> None:
+    entries = []
+    for stack in ("jax", "quack"):
+        log, labels = folder / f"ncu_{stack}.csv", folder / f"{stack}_labels.json"
+        if not (log.exists() and labels.exists()):
+            continue
+        labels = json.loads(labels.read_text())
+        runs = marked_runs(ncu_kernels(log))
+        if len(runs) != len(labels):
+            raise SystemExit(f"{log}: {len(runs)} marked runs for {len(labels)} labels")
+        for label, kernels in zip(labels, runs, strict=True):
+            seconds = sum(s for _, s in kernels) if kernels else None
+            entries.append(label | dict(seconds=seconds, kernels=[k for k, _ in kernels]))
             print(
-                f"{name:56s} {grid:>14s} {seconds * 1e6:9.1f} {nbytes / 1e6:9.1f} "
-                f"{nbytes / seconds / 1e12:6.2f}"
+                f"{label['stack']:9s} {label['op']:13s} {label['dtype']:8s} "
+                f"{label['m']:>6d}x{label['n']:<7d} {label['pass_']:7s} "
+                + ("-" if seconds is None else f"{seconds * 1e6:9.1f} us {len(kernels)} kernels")
             )
+    (folder / "kernel_times.json").write_text(json.dumps(entries, indent=1))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--report", help="an ncu CSV log to summarise")
-    parser.add_argument("--ops", nargs="+", help="the benchmark's ops to run (default: all)")
+    parser.add_argument("what", choices=("jax", "quack", "report"))
+    parser.add_argument("folder", type=pathlib.Path, help="a bench --out folder")
     args = parser.parse_args()
-    if args.report:
-        report(args.report)
-    else:
-        from quack_jax.bench import benchmarks
+    if args.what == "report":
+        report(args.folder)
+    elif args.what == "jax":
+        import jax
 
-        run(args.ops or list(benchmarks()))
+        run_marked(jax_functions(args.folder), args.folder, "jax", jax.block_until_ready)
+    else:
+        run_marked(quack_functions(args.folder), args.folder, "quack", lambda _: None)
     sys.exit(0)

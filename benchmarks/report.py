@@ -4,11 +4,13 @@
     python benchmarks/quack_torch.py --like DIR
     python benchmarks/report.py DIR [--notes NOTES.md]
 
-Writes ``DIR/report.md`` (a table per op: the copy ceiling, then forward and
-forward+backward TB/s of each implementation and quack_jax's ratio to QuACK; rows where
-quack_jax is more than 3% behind QuACK are listed) and ``DIR/report.png`` (bars per op and
-dtype, the copy ceiling as a line). ``--notes`` puts a hand-written section (the analysis
-of those rows) after the header.
+Writes ``DIR/report.md`` (two tables per op: end to end, the copy ceiling then forward
+and forward+backward TB/s of each implementation and quack_jax's ratio to QuACK; and by
+kernel time, the same TB/s from the device time of each function's kernels, where
+``benchmarks/profile_kernels.py report DIR`` wrote ``DIR/kernel_times.json``; rows where
+quack_jax is more than 3% behind QuACK, or behind XLA, are listed) and ``DIR/report.png``
+(bars per op and dtype, the copy ceiling as a line). ``--notes`` puts a hand-written
+section (the analysis of those rows) after the header.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def load(folder: pathlib.Path):
     """{op: [row]}, each row with TB/s per (impl, case) and the copy ceiling; the metadata."""
     quack = json.loads((folder / "quack_torch.json").read_text())
     theirs = {(r["op"], r["dtype"], r["m"], r["n"]): r for r in quack["rows"]}
+    profiled = folder / "kernel_times.json"
+    kernel_seconds = {
+        (k["stack"], k["op"], k["dtype"], k["m"], k["n"], k["pass_"]): k["seconds"]
+        for k in (json.loads(profiled.read_text()) if profiled.exists() else [])
+    }
     tables, meta = {}, {"QuACK": quack["meta"]}
     for op in OPS:
         path = folder / f"{op}.json"
@@ -47,20 +54,28 @@ def load(folder: pathlib.Path):
                 row["quack_jax", case] = _rate(passes, r, f"quack_{case}")
                 row["XLA", case] = _rate(passes, r, f"xla_{case}")
                 row["QuACK", case] = other.get(f"{case}_tbps")
+                for impl in (*IMPLS, "copy"):
+                    t = kernel_seconds.get((impl, op, r["dtype"], r["m"], r["n"], case))
+                    counted = "copy" if impl == "copy" else f"quack_{case}"
+                    row[impl, case, "kernel"] = _rate(passes, r | {"t": t}, "t", counted)
             rows.append(row)
         tables[op] = rows
+    meta["kernel_times"] = bool(kernel_seconds)
     return tables, meta
 
 
-def _rate(passes, r, key):
-    """TB/s of a bench row's entry ``key`` (seconds per application), None if not timed."""
+def _rate(passes, r, key, counted=None):
+    """TB/s of a bench row's entry ``key`` (seconds per application), counting the bytes of
+    the bench's entry ``counted`` (default: ``key``); None if not timed."""
     if r[key] is None:
         return None
-    return passes[key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]] / r[key] / 1e12
+    nbytes = passes[counted or key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]]
+    return nbytes / r[key] / 1e12
 
 
-def ratio(row, case):
-    ours, theirs = row["quack_jax", case], row["QuACK", case]
+def ratio(row, case, other="QuACK", *kernel):
+    """quack_jax's TB/s over ``other``'s (end to end, or by kernel time with "kernel")."""
+    ours, theirs = row[("quack_jax", case, *kernel)], row[(other, case, *kernel)]
     return None if ours is None or theirs is None else ours / theirs
 
 
@@ -88,26 +103,37 @@ def markdown(tables, meta, notes: str) -> str:
         lines += [notes.strip(), ""]
     behind = []
     for op, rows in tables.items():
-        lines += [
-            f"## {op}",
-            "",
-            "| dtype | M x N | copy | quack_jax fwd | QuACK fwd | XLA fwd | vs QuACK "
-            "| quack_jax fwd+bwd | QuACK fwd+bwd | XLA fwd+bwd | vs QuACK |",
-            "| --- " * 11 + "|",
-        ]
-        for row in rows:
-            cells = [row["dtype"], f"{row['m']} x {row['n']}", f"{row['copy']:.2f}"]
-            for case in CASES:
-                cells += [_fmt(row[impl, case]) for impl in IMPLS]
-                r = ratio(row, case)
-                cells.append("-" if r is None else f"{r:.2f}x")
-                if r is not None and r < BEHIND:
-                    behind.append(f"{op} {case} {row['dtype']} {row['m']} x {row['n']}: {r:.2f}x")
-            lines.append("| " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += ["## Where quack_jax is behind QuACK (below 0.97x)", ""]
+        lines += [f"## {op}", "", "End to end, TB/s:", "", *_table(op, rows, (), behind), ""]
+        if meta["kernel_times"]:
+            lines += ["By kernel time (ncu), TB/s:", "", *_table(op, rows, ("kernel",), behind)]
+            lines.append("")
+    lines += ["## Where quack_jax is behind QuACK (below 0.97x) or XLA (below 1.00x)", ""]
     lines += [f"- {b}" for b in behind] or ["- nowhere"]
     return "\n".join(lines) + "\n"
+
+
+def _table(op, rows, kernel, behind):
+    """The op's table of TB/s (end to end, or by kernel time with ``kernel``); appends the
+    rows behind QuACK or XLA to ``behind``."""
+    how = "kernel time" if kernel else "end to end"
+    lines = [
+        "| dtype | M x N | copy | quack_jax fwd | QuACK fwd | XLA fwd | vs QuACK | vs XLA "
+        "| quack_jax fwd+bwd | QuACK fwd+bwd | XLA fwd+bwd | vs QuACK | vs XLA |",
+        "| --- " * 13 + "|",
+    ]
+    for row in rows:
+        copy = row[("copy", "fwd", *kernel)] if kernel else row["copy"]
+        cells = [row["dtype"], f"{row['m']} x {row['n']}", _fmt(copy)]
+        for case in CASES:
+            cells += [_fmt(row[(impl, case, *kernel)]) for impl in IMPLS]
+            for other, least in (("QuACK", BEHIND), ("XLA", 1.0)):
+                r = ratio(row, case, other, *kernel)
+                cells.append("-" if r is None else f"{r:.2f}x")
+                if r is not None and r < least:
+                    shape = f"{row['dtype']} {row['m']} x {row['n']}"
+                    behind.append(f"{op} {case} {shape}: {r:.2f}x of {other} ({how})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _fmt(value):
