@@ -7,17 +7,21 @@ QuACK for PyTorch, on the rows of a ``quack_jax.bench`` run:
     ncu ...same... --log-file DIR/ncu_quack.csv python benchmarks/profile_kernels.py quack DIR
     python benchmarks/profile_kernels.py report DIR
 
+With ``--op OP`` a run takes only that op's rows and names its files ``<stack>_<op>``
+(``ncu_jax_softmax.csv``, ``jax_softmax_labels.json``): one process per op, so that a
+time limit costs one op's figures, not all of them.
+
 ``jax`` runs, for every row of ``DIR/<op>.json``, quack_jax's and XLA's forward and
 forward+backward (the bench's functions) once each on one input, and the bench's copy
 (``x * 2`` over float32 arrays of the same bytes); ``quack`` runs QuACK's
 (``quack_torch.py``'s functions). Each function runs once to compile and warm up, then
 once between two marker kernels (``torch.cuda._sleep``, named ``spin_kernel``), and the
-labels of the marked runs go to ``DIR/<stack>_labels.json`` in order. ncu serialises the
-kernels and, by default, flushes the caches before each one, so every stack's kernels
-start cold and alone. ``report`` splits each ncu log at the markers and sums each marked
-run's kernels (a function's whole device time: its kernels, and any copies, converts or
-fills its framework launches), into ``DIR/kernel_times.json``: seconds and the kernels'
-names per (stack, op, dtype, M, N, pass).
+labels of the marked runs go to ``DIR/<stack>_labels.json`` in order, after each run.
+ncu serialises the kernels and, by default, flushes the caches before each one, so every
+stack's kernels start cold and alone. ``report`` splits each ncu log at the markers and
+sums each marked run's kernels (a function's whole device time: its kernels, and any
+copies, converts or fills its framework launches), into ``DIR/kernel_times.json``:
+seconds and the kernels' names per (stack, op, dtype, M, N, pass).
 """
 
 from __future__ import annotations
@@ -32,16 +36,17 @@ MARKER = "spin_kernel"
 PASSES = ("fwd", "fwd_bwd")
 
 
-def bench_rows(folder: pathlib.Path):
-    """(op, row) for every row of the bench's JSONs in ``folder``."""
+def bench_rows(folder: pathlib.Path, op: str | None):
+    """(op, row) for every row of the bench's JSONs in ``folder`` (of ``op`` only, if given)."""
     for path in sorted(folder.glob("*.json")):
         bench = json.loads(path.read_text())
-        if "passes" in bench.get("meta", {}):
+        if "passes" in bench.get("meta", {}) and op in (None, path.stem):
             yield from ((path.stem, r) for r in bench["rows"])
 
 
-def run_marked(functions, folder: pathlib.Path, stack: str, sync) -> None:
-    """Warm each (label, thunk) up, then run it once between two markers; save the labels."""
+def run_marked(functions, path: pathlib.Path, sync) -> None:
+    """Warm each (label, thunk) up, then run it once between two markers; the labels so
+    far go to ``path`` after each run."""
     import torch
 
     labels = []
@@ -53,17 +58,17 @@ def run_marked(functions, folder: pathlib.Path, stack: str, sync) -> None:
         torch.cuda._sleep(1000)
         torch.cuda.synchronize()
         labels.append(label)
-    (folder / f"{stack}_labels.json").write_text(json.dumps(labels, indent=1))
+        path.write_text(json.dumps(labels, indent=1))
 
 
-def jax_functions(folder: pathlib.Path):
+def jax_functions(folder: pathlib.Path, only: str | None):
     import jax
 
     from quack_jax._tiling import ITEMSIZE
     from quack_jax.bench import benchmarks, make_inputs
 
     ops = benchmarks()
-    for op_name, r in bench_rows(folder):
+    for op_name, r in bench_rows(folder, only):
         op, (m, n, dtype) = ops[op_name], (r["m"], r["n"], r["dtype"])
         (arguments,) = make_inputs(op.arguments(m, n, dtype), 1, seed=m * n)
         (words,) = make_inputs([((m, n * ITEMSIZE[dtype] // 4), "float32")], 1, seed=m)
@@ -79,11 +84,11 @@ def jax_functions(folder: pathlib.Path):
                 yield label | dict(dtype=dtype, m=m, n=n, pass_=pass_), lambda f=fn, a=args: f(*a)
 
 
-def quack_functions(folder: pathlib.Path):
+def quack_functions(folder: pathlib.Path, only: str | None):
     import torch
     from quack_torch import DTYPES, forward, forward_backward, inputs
 
-    for op_name, r in bench_rows(folder):
+    for op_name, r in bench_rows(folder, only):
         m, n, dtype = r["m"], r["n"], r["dtype"]
         (arguments,) = inputs(op_name, m, n, DTYPES[dtype], 1)
         for pass_, fn in zip(PASSES, (forward(op_name), forward_backward(op_name)), strict=True):
@@ -129,14 +134,16 @@ def marked_runs(kernels):
 
 def report(folder: pathlib.Path) -> None:
     entries = []
-    for stack in ("jax", "quack"):
-        log, labels = folder / f"ncu_{stack}.csv", folder / f"{stack}_labels.json"
-        if not (log.exists() and labels.exists()):
+    for path in sorted(folder.glob("*_labels.json")):
+        log = folder / f"ncu_{path.name.removesuffix('_labels.json')}.csv"
+        if not log.exists():
+            print(f"{log.name} is missing: {path.name} left out")
             continue
-        labels = json.loads(labels.read_text())
+        labels = json.loads(path.read_text())
         runs = marked_runs(ncu_kernels(log))
-        if len(runs) != len(labels):
-            raise SystemExit(f"{log}: {len(runs)} marked runs for {len(labels)} labels")
+        if len(runs) < len(labels):
+            print(f"{log.name}: {len(runs)} marked runs for {len(labels)} labels: left out")
+            continue
         for label, kernels in zip(labels, runs, strict=True):
             seconds = sum(s for _, s in kernels) if kernels else None
             entries.append(label | dict(seconds=seconds, kernels=[k for k, _ in kernels]))
@@ -154,13 +161,16 @@ if __name__ == "__main__":
     )
     parser.add_argument("what", choices=("jax", "quack", "report"))
     parser.add_argument("folder", type=pathlib.Path, help="a bench --out folder")
+    parser.add_argument("--op", help="only this op's rows")
     args = parser.parse_args()
+    name = args.what + (f"_{args.op}" if args.op else "")
+    labels = args.folder / f"{name}_labels.json"
     if args.what == "report":
         report(args.folder)
     elif args.what == "jax":
         import jax
 
-        run_marked(jax_functions(args.folder), args.folder, "jax", jax.block_until_ready)
+        run_marked(jax_functions(args.folder, args.op), labels, jax.block_until_ready)
     else:
-        run_marked(quack_functions(args.folder), args.folder, "quack", lambda _: None)
+        run_marked(quack_functions(args.folder, args.op), labels, lambda _: None)
     sys.exit(0)
