@@ -14,8 +14,10 @@ with and without a residual, pre-norm or not; output in x's dtype; every cross-e
 variant).
 
 --packaged builds the kernels that ship inside the wheel (quack_jax/cubins) for the row
-lengths of popular open models (COMMON_MODELS in quack_jax/build.py), every op and dtype,
-in the most used variants; run it before building the wheel:
+lengths in PACKAGED_SIZES (popular open models' hidden sizes and vocabularies, attention
+sequence lengths, QK-norm head sizes, every multiple of 256 up to 8192 for the norms) and
+those of ``python -m quack_jax.bench --quick``, every op and dtype, in the most used
+variants; run it before building the wheel:
 
     python -m quack_jax.build --packaged && pip wheel --no-deps . -w dist
 """
@@ -30,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from . import _cache, _registry
+from ._spec import OpSpec
 from ._tiling import ITEMSIZE
 
 ARCHS = ("sm_90a",)
@@ -49,9 +52,25 @@ COMMON_MODELS = {
     "Qwen/Qwen2.5-14B": (5120, 152064),
     "deepseek-ai/DeepSeek-V3": (7168, 129280),
     "meta-llama/Llama-3.1-70B": (8192, 128256),
+    "meta-llama/Llama-2-7b-hf": (4096, 32000),
+    "mistralai/Mistral-7B-v0.1": (4096, 32000),
 }
 # attention rows (sequence lengths) for softmax
 COMMON_SEQUENCES = (1024, 2048, 4096, 8192)
+
+_HIDDEN, _VOCAB = (set(sizes) for sizes in zip(*COMMON_MODELS.values(), strict=True))
+# The row lengths of the packaged kernels, by the kind of row an op family normalises
+# (``OpSpec.sizes``); ``packaged_sizes`` adds each family's ``bench --quick`` row lengths.
+PACKAGED_SIZES = {
+    # softmax over attention rows
+    "sequence": sorted(COMMON_SEQUENCES),
+    # the norms: the models' hidden sizes; QK-norm's head sizes 64, 128, 256 (an RMSNorm
+    # over each attention head: Qwen3, Gemma 3, OLMo 2); and every multiple of 256 up to
+    # 8192, the hidden sizes of models not listed (and of small ones being trained)
+    "hidden": sorted(_HIDDEN | {64, 128, 256} | set(range(256, 8192 + 1, 256))),
+    # cross-entropy: the models' vocabularies
+    "vocab": sorted(_VOCAB),
+}
 
 
 @contextlib.contextmanager
@@ -98,13 +117,18 @@ def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = 
         )
 
 
+def packaged_sizes(spec: OpSpec) -> list[int]:
+    """The row lengths of an op family's packaged kernels: ``PACKAGED_SIZES`` of its kind
+    and the row lengths of its benchmarks' quick shapes (``python -m quack_jax.bench
+    --quick`` then runs on the wheel alone)."""
+    quick = {n for b in (spec.benchmarks() if spec.benchmarks else ()) for _, n in b.quick_shapes}
+    return sorted(set(PACKAGED_SIZES[spec.sizes]) | quick)
+
+
 def build_packaged(arch: str, verbose: bool = True) -> None:
-    """The kernels that ship in the wheel: every op and dtype, at the row lengths of
-    ``COMMON_MODELS`` (hidden sizes or vocabularies) or ``COMMON_SEQUENCES``."""
-    hidden, vocab = (sorted(set(sizes)) for sizes in zip(*COMMON_MODELS.values(), strict=True))
-    sizes = {"sequence": COMMON_SEQUENCES, "hidden": hidden, "vocab": vocab}
+    """The kernels that ship in the wheel: every op and dtype, at ``packaged_sizes``."""
     for op, spec in _registry.specs().items():
-        build([op], DTYPES, sizes[spec.sizes], arch, verbose, packaged=True)
+        build([op], DTYPES, packaged_sizes(spec), arch, verbose, packaged=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--packaged",
         action="store_true",
-        help="the kernels shipped in the wheel (quack_jax/cubins), for COMMON_MODELS",
+        help="the kernels shipped in the wheel (quack_jax/cubins), for PACKAGED_SIZES",
     )
     args = parser.parse_args(argv)
     if importlib.util.find_spec("cutlass") is None:

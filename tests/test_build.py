@@ -3,6 +3,8 @@ benchmarks use compiles to an sm_90a cubin; the cache; the build command; the FF
 library; the wheel; and the lowering that launches a kernel when compiling for a CUDA device."""
 
 import base64
+import collections
+import itertools
 import json
 import os
 import pathlib
@@ -18,12 +20,13 @@ import jax.numpy as jnp
 import pytest
 
 import quack_jax
-from quack_jax import _cache, _ffi, _registry, build
+from quack_jax import _cache, _ffi, _registry, bench, build
 from quack_jax._primitive import full_grid
 from quack_jax._tiling import RowTiling, choose_tiling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EM_CUDA = 190
+PACKAGED = _cache.PACKAGED  # the wheel's cubins (quack_jax/cubins), which ``cache`` hides
 
 
 def cubin_arch(cubin: bytes) -> int:
@@ -148,6 +151,62 @@ def test_packaged_cubins_are_found_without_cutlass(cache, monkeypatch):
     monkeypatch.setattr(_cache, "dsl_version", lambda: None)
     assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == built
     assert not list(cache.glob("*.json"))
+
+
+@pytest.fixture
+def wheel_only(cache, monkeypatch):
+    """The packaged cubins as the only ones to find, and no CuTe-DSL to compile a missing
+    kernel: a user who installed only the wheel. Skips where they are not built (or were
+    built from other kernel sources)."""
+    built = list(PACKAGED.glob(f"*-{_cache.source_hash()}-dsl*.json"))
+    if not built:
+        pytest.skip(
+            f"no cubins of these kernels in {PACKAGED}: python -m quack_jax.build --packaged"
+        )
+    monkeypatch.setattr(_cache, "PACKAGED", PACKAGED)
+    monkeypatch.setattr(_cache, "dsl_version", lambda: None)
+    return built
+
+
+def test_packaged_cubins_run_the_quick_benchmark(wheel_only):
+    """Every kernel that `python -m quack_jax.bench --quick` launches on an H200 (each
+    benchmark's quick shapes, each dtype, forward and forward+backward) is packaged."""
+    missing = []
+    with _cache.kernels_used() as used:
+        for op in bench.benchmarks().values():
+            for dtype, (m, n) in itertools.product(bench.DTYPES, op.quick_shapes):
+                args = [jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype)]
+                for case in (case for case in op.cases if case.kernel):
+                    try:
+                        build.lower_for_cuda(case.fn, args[: case.args])
+                    except quack_jax.MissingKernelError as error:
+                        missing.append(f"{op.name} {case.key} {dtype} {m}x{n}: {error}")
+    assert not missing, "\n".join(missing)
+    assert used
+
+
+def test_packaged_cubins_cover_the_packaged_row_lengths(wheel_only):
+    """Each op with kernels has the same kernel variants packaged at each of its row
+    lengths (``build.packaged_sizes``) in each dtype, and those lengths include the norms'
+    QK-norm head sizes and every multiple of 256 up to 8192, and the 32000 vocabulary
+    (Llama 2, Mistral v0.1) for cross-entropy."""
+    name = re.compile(r"([a-z_]+)((?:-[a-z_]+=[^-]+)*)-([a-z0-9]+)-n(\d+)-")
+    variants = collections.defaultdict(set)  # (op, dtype, n) -> kernel ops and variants
+    for path in wheel_only:
+        kernel, variant, dtype, n = name.match(path.name).groups()
+        for op in _registry.public_ops(kernel):
+            variants[op, dtype, int(n)].add(kernel + variant)
+    hidden = {64, 128, *range(256, 8192 + 1, 256)}
+    required = {"rms_norm": hidden, "layer_norm": hidden, "cross_entropy": {32000}}
+    for op, spec in _registry.specs().items():
+        sizes = build.packaged_sizes(spec)
+        assert required.get(op, set()) <= set(sizes), op
+        if not spec.configs:  # it launches another family's kernels
+            continue
+        for dtype in build.DTYPES:
+            every = set().union(*(variants[op, dtype, n] for n in sizes))
+            short = {n: gone for n in sizes if (gone := sorted(every - variants[op, dtype, n]))}
+            assert every and not short, f"{op} {dtype} not packaged: {short}"
 
 
 def test_missing_kernel_without_cutlass_names_the_build_command(cache, monkeypatch):
