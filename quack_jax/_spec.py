@@ -99,6 +99,18 @@ class Benchmark:
     tuned: list[Tuned]
     columns: list[tuple]  # (header, kind, *row keys); see ``cell``
     footprint: int  # M x N arrays alive per input while timing (memory budget)
+    # --latency: microseconds per op at small and decode shapes (see ``latency``)
+    latency_shapes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    # --latency's rows: a decode step's tokens (1, 8, 64) up to a small batch's
+    LATENCY_ROWS = (1, 8, 64, 512, 4096)
+    # QK-norm: RMSNorm over each head of the queries and keys (rows: tokens x heads)
+    QK_NORM_SHAPES = tuple((m, n) for n in (64, 128, 256) for m in (32768, 262144, 2097152))
+
+    @classmethod
+    def latency(cls, sizes) -> list[tuple[int, int]]:
+        """(M, N) for each row length N of ``sizes``, and M in ``LATENCY_ROWS``."""
+        return [(m, n) for n in sizes for m in cls.LATENCY_ROWS]
 
     @property
     def passes(self) -> dict[str, int]:

@@ -4,6 +4,7 @@ forward, and forward plus backward (jax.vjp), on the shapes of the project's anc
     python -m quack_jax.bench                  # every op's table on this machine's default device
     python -m quack_jax.bench --quick          # small shapes, under a minute on a 2-core CPU
     python -m quack_jax.bench --ops rms_norm --tune --out DIR  # and every candidate tiling (GPU)
+    python -m quack_jax.bench --latency        # microseconds per op at small and decode shapes
 
 Ops (--ops): the benchmarks each op family declares in its SPEC (softmax, rms_norm,
 layer_norm, cross_entropy); each writes <op>.md, <op>.json and, with matplotlib
@@ -38,16 +39,36 @@ must move at least, e being x's element size:
 kernel by itself (softmax's derivative; the norms' and cross-entropy's backward
 primitives with the saved statistics precomputed), and cross-entropy's forward that also
 writes the gradient.
+
+--latency times each op at small and decode shapes (each op's latency_shapes: M from 1
+to 4096 rows at the family's row lengths, and QK-norm's rows for rms_norm), in bfloat16
+unless --dtypes says otherwise, and reports microseconds per op, to <op>_latency.md and
+<op>_latency.json. Each quack_jax function is timed three ways: as lowered by default
+(kernels, except at the shapes _primitive.REFERENCE_FASTER sends to XLA), with the
+kernels forced (lowering_path("kernel")) and with quack_jax's XLA reference forced
+(lowering_path("reference")); XLA's function beside them. One jitted function applies
+the op to K = 32 distinct inputs (fewer where they would not fit the memory budget; 2
+where quack_jax runs its XLA fallback) in a chain, as the layers of a decode step: op k's
+arguments pass through jax.lax.optimization_barrier together with op k-1's result, so
+op k cannot start before op k-1 ends and XLA cannot fuse the K ops horizontally or run
+them concurrently. An op's functions are all lowered first, and XLA compiles them in
+parallel threads; then each shape's programs are timed together: after 50 ms of calls,
+15 samples of each (three back-to-back calls), the programs' samples alternating so that a
+drift affects them alike; the time per op is a program's median sample divided by 3 K.
+Functions that lower to the same program (on the fallback, every path) are timed once.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime
+import hashlib
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import statistics
 import sys
@@ -57,8 +78,8 @@ import jax
 import jax.numpy as jnp
 
 from quack_jax import _cache, _ffi, _registry
-from quack_jax._primitive import full_grid, kernel_arch
-from quack_jax._spec import Benchmark
+from quack_jax._primitive import REFERENCE_FASTER, full_grid, kernel_arch, lowering_path
+from quack_jax._spec import Benchmark, Case
 from quack_jax._tiling import ITEMSIZE, override_tiling
 
 DTYPES = ["bfloat16", "float32"]
@@ -66,6 +87,14 @@ TARGET_BYTES = 10e9
 TUNE_BYTES = 2e9  # tuning ranks candidates, so it can afford a larger dispatch share
 MEMORY_BUDGET = 60e9
 CALLS_PER_SAMPLE = 3
+LATENCY_INPUTS = 32  # ops per timed call with --latency
+LATENCY_WARMUP = 0.05  # seconds of calls before a shape's --latency timings (clocks up)
+LATENCY_REPS = 15  # --latency's default samples: a few microseconds per op are noisy
+LATENCY_QUICK_ROWS = (1, 64)  # --latency --quick: these rows at the op's first row length
+# --latency's passes (the keys quack_<pass>, xla_<pass> of the op's cases) and their labels
+LATENCY_PASSES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}
+# the quack_jax functions' lowerings (see ``lowering_path``), by the suffix of their entry
+LATENCY_PATHS = {"kernel": "_kernel", "reference": "_reference", "auto": ""}
 
 
 def benchmarks() -> dict[str, Benchmark]:
@@ -94,23 +123,68 @@ def describe() -> str:
     )
 
 
+def chained(fn):
+    """A function of K argument tuples that applies ``fn`` to each in turn: op k's
+    arguments pass through an optimization barrier with op k-1's result, so op k cannot
+    start before op k-1 ends, and XLA can neither fuse the K ops nor run them at once."""
+
+    def f(inputs):
+        results = []
+        for args in inputs:
+            if results:
+                args, _ = jax.lax.optimization_barrier((args, results[-1]))
+            results.append(fn(*args))
+        return results
+
+    return f
+
+
+def lower_calls(fn, inputs, chain=False):
+    """The jitted function that applies ``fn`` to each of the K argument tuples in
+    ``inputs``, independently or with ``chain`` one after the other (see ``chained``),
+    lowered (a ``lowering_path`` around this call applies)."""
+    f = jax.jit(chained(fn) if chain else lambda inputs: [fn(*args) for args in inputs])
+    return f.lower(inputs)
+
+
+def time_compiled(programs, reps, warmup=0.0):
+    """Median seconds per application of each compiled function in ``programs``, as
+    (compiled, its K argument tuples), over its K tuples, after calls for ``warmup``
+    seconds (at least one each). Their samples alternate, so a drift affects all alike."""
+    end = time.perf_counter() + warmup
+    for compiled, inputs in programs:
+        jax.block_until_ready(compiled(inputs))
+    while time.perf_counter() < end:
+        for compiled, inputs in programs:
+            jax.block_until_ready(compiled(inputs))
+    times = [[] for _ in programs]
+    for _ in range(reps):
+        for (compiled, inputs), samples in zip(programs, times, strict=True):
+            start = time.perf_counter()
+            for _ in range(CALLS_PER_SAMPLE):
+                out = compiled(inputs)
+            jax.block_until_ready(out)
+            samples.append(time.perf_counter() - start)
+            del out
+    return [
+        statistics.median(samples) / (CALLS_PER_SAMPLE * len(inputs))
+        for samples, (_, inputs) in zip(times, programs, strict=True)
+    ]
+
+
+def check_kernel(compiled):
+    """Refuses a quack_jax function compiled without a kernel (it would time XLA)."""
+    # the compiled program: with sharded inputs the kernels appear once XLA partitions it
+    if _ffi.TARGET not in compiled.as_text():
+        raise RuntimeError("the quack_jax path compiled without a kernel: refusing to time XLA")
+
+
 def time_per_call(fn, inputs, reps, require_kernel=False):
     """Median seconds per application of ``fn`` over the K argument tuples in ``inputs``."""
-    f = jax.jit(lambda inputs: [fn(*args) for args in inputs])
-    compiled = f.lower(inputs).compile()
-    # the compiled program: with sharded inputs the kernels appear once XLA partitions it
-    if require_kernel and _ffi.TARGET not in compiled.as_text():
-        raise RuntimeError("the quack_jax path compiled without a kernel: refusing to time XLA")
-    jax.block_until_ready(compiled(inputs))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(CALLS_PER_SAMPLE):
-            out = compiled(inputs)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-        del out
-    return statistics.median(times) / (CALLS_PER_SAMPLE * len(inputs))
+    compiled = lower_calls(fn, inputs).compile()
+    if require_kernel:
+        check_kernel(compiled)
+    return time_compiled([(compiled, inputs)], reps)[0]
 
 
 def make_inputs(arguments, count, seed):
@@ -126,16 +200,19 @@ def make_inputs(arguments, count, seed):
     return [tuple(draw(k, *a) for k, a in zip(row, arguments, strict=True)) for row in keys]
 
 
-def input_count(op: Benchmark, size: int, quick: bool = False) -> int:
+def input_count(op: Benchmark, size: int, quick: bool = False, latency: bool = False) -> int:
     """How many distinct inputs of ``size`` bytes (an (M, N) array) one timed call takes:
-    about TARGET_BYTES moved, within the memory budget; 10 for ``quick``; 1 where
-    quack_jax runs its XLA fallback (no kernel launches to amortise, and XLA against XLA
-    needs no more than a smoke test's accuracy)."""
+    about TARGET_BYTES moved, within the memory budget; 10 for ``quick``; LATENCY_INPUTS
+    for ``latency``, within the budget; 1 where quack_jax runs its XLA fallback (no kernel
+    launches to amortise, and XLA against XLA needs no more than a smoke test's accuracy),
+    2 for ``latency`` (a chain)."""
     if not kernel_device():
-        return 1
+        return 2 if latency else 1
+    most = MEMORY_BUDGET // (op.footprint * size)
+    if latency:
+        return int(max(1, min(LATENCY_INPUTS, most)))
     if quick:
         return 10
-    most = MEMORY_BUDGET // (op.footprint * size)
     return int(min(max(10, math.ceil(TARGET_BYTES / (2 * size))), most))
 
 
@@ -191,7 +268,78 @@ def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
     return row
 
 
+def latency_shapes(op: Benchmark, quick: bool) -> list[tuple[int, int]]:
+    """The op's --latency shapes; with ``quick``, LATENCY_QUICK_ROWS at its first row length."""
+    if quick and op.latency_shapes:
+        return [(m, op.latency_shapes[0][1]) for m in LATENCY_QUICK_ROWS]
+    return op.latency_shapes
+
+
+def latency_cases(op: Benchmark) -> list[Case]:
+    """The quack_jax and XLA functions of each of LATENCY_PASSES that the op has."""
+    keys = {f"{who}_{p}" for p in LATENCY_PASSES for who in ("quack", "xla")}
+    return [case for case in op.cases if case.key in keys]
+
+
+def bench_latency(op: Benchmark, shapes, reps) -> list[dict]:
+    """A row per (dtype, m, n) of ``shapes``: seconds per op of the op's quack_jax
+    functions on each of LATENCY_PATHS (the entry ``<key><suffix>``) and of its XLA
+    functions, each a chain of K ops. Every function is lowered first, one by one (the
+    path is read then), each distinct program compiled in a thread as it comes (XLA
+    compiles in parallel); then each shape's programs are timed, their samples alternating.
+    """
+    on_gpu = kernel_device()
+    rows, programs = [], []  # per shape, by text: [compiled, args, keys, must launch kernels]
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
+        for i, (dtype, m, n) in enumerate(shapes, 1):
+            progress = f"  {op.name} {dtype} {m}x{n} ({i} of {len(shapes)})"
+            print(f"{progress}: lowering", file=sys.stderr, flush=True)
+            count = input_count(op, m * n * ITEMSIZE[dtype], latency=True)
+            rows.append(row := {"dtype": dtype, "m": m, "n": n, "k": count})
+            structs = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
+            programs.append(shape_programs := {})
+            for case in latency_cases(op):
+                inputs = [structs[: case.args]] * count
+                for path, suffix in LATENCY_PATHS.items() if case.kernel else [("auto", "")]:
+                    row[case.key + suffix] = None
+                    try:
+                        with lowering_path(path):
+                            lowered = lower_calls(case.fn, inputs, chain=True)
+                    except _cache.MissingKernelError as error:  # no cubin, and no CuTe-DSL
+                        print(f"{progress} {case.label} ({path}) not timed: {error}", flush=True)
+                        continue
+                    text = hashlib.sha256(lowered.as_text().encode()).digest()
+                    if text not in shape_programs:
+                        shape_programs[text] = [pool.submit(lowered.compile), case.args, [], False]
+                    shape_programs[text][2].append(case.key + suffix)
+                    shape_programs[text][3] |= case.kernel and on_gpu and path == "kernel"
+    for i, (row, shape_programs) in enumerate(zip(rows, programs, strict=True), 1):
+        dtype, m, n = row["dtype"], row["m"], row["n"]
+        progress = f"  {op.name} {dtype} {m}x{n} ({i} of {len(shapes)})"
+        print(f"{progress}: timing", file=sys.stderr, flush=True)
+        arguments = make_inputs(op.arguments(m, n, dtype), row["k"], seed=m * n)
+        timed = []
+        for compiled, args, _, require_kernel in shape_programs.values():
+            if require_kernel:
+                check_kernel(compiled.result())
+            timed.append((compiled.result(), [a[:args] for a in arguments]))
+        seconds = time_compiled(timed, reps, LATENCY_WARMUP)
+        for t, (_, _, keys, _) in zip(seconds, shape_programs.values(), strict=True):
+            row |= dict.fromkeys(keys, t)
+        del arguments, timed
+        shape_programs.clear()  # the executables
+    return rows
+
+
 # -- reports ----------------------------------------------------------------------------
+
+LATENCY_NOTE = (
+    "Microseconds per op, each a chain of K ops in one call (one after the other, as the "
+    "layers of a decode step). quack_jax: as lowered by default (kernels, except at the "
+    "shapes of _primitive.REFERENCE_FASTER); kernel, reference: its kernels, its XLA "
+    "reference forced (lowering_path)."
+)
+SPEEDUP_NOTE = " Speedup: XLA's time over quack_jax's (default); below 1.00x quack_jax is slower."
 
 
 def tbps(nbytes, seconds):
@@ -208,6 +356,11 @@ def rate(op: Benchmark, r, key):
 def cell(op: Benchmark, r, kind, *keys) -> str:
     if kind == "tilings":
         return f"{r['tiling_fwd']}, {r['tiling_bwd']}"
+    if kind == "inputs":
+        return str(r["k"])
+    if kind == "us":  # microseconds
+        seconds = r.get(keys[0])
+        return "-" if seconds is None else f"{seconds * 1e6:.{2 if seconds < 1e-4 else 0}f}"
     values = [rate(op, r, key) for key in keys]
     if None in values:
         return "-"
@@ -218,10 +371,29 @@ def cell(op: Benchmark, r, kind, *keys) -> str:
     return f"{values[0] / values[1]:.0%}"  # fraction
 
 
-def table(op: Benchmark, rows, fallback: bool) -> str:
-    """The op's table; with ``fallback`` (quack_jax ran its XLA fallback, so its columns
-    time XLA too) without the speedup columns."""
-    columns = [c for c in op.columns if not (fallback and c[1] == "speedup")]
+def latency_columns(op: Benchmark) -> list[tuple]:
+    """--latency's columns: per pass, quack_jax's µs by default, with the kernels and with
+    the reference forced, XLA's µs, and XLA's time over quack_jax's (by default)."""
+    keys = {case.key for case in latency_cases(op)}
+    columns = [("K", "inputs")]
+    for p, label in LATENCY_PASSES.items():
+        if f"quack_{p}" in keys:
+            columns += [
+                (f"quack_jax {label} µs", "us", f"quack_{p}"),
+                (f"kernel {label} µs", "us", f"quack_{p}_kernel"),
+                (f"reference {label} µs", "us", f"quack_{p}_reference"),
+            ]
+        if f"xla_{p}" in keys:
+            columns.append((f"XLA {label} µs", "us", f"xla_{p}"))
+        if {f"quack_{p}", f"xla_{p}"} <= keys:
+            columns.append((f"{label} speedup", "speedup", f"xla_{p}", f"quack_{p}"))
+    return columns
+
+
+def table(op: Benchmark, rows, fallback: bool, columns=None) -> str:
+    """The op's table (``columns``, by default the op's); with ``fallback`` (quack_jax ran
+    its XLA fallback, so its columns time XLA too) without the speedup columns."""
+    columns = [c for c in columns or op.columns if not (fallback and c[1] == "speedup")]
     headers = ["dtype", "M x N"] + [c[0] for c in columns]
     lines = ["| " + " | ".join(headers) + " |", "| --- " * len(headers) + "|"]
     for r in rows:
@@ -308,60 +480,93 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--tune", action="store_true", help="also time candidate tilings")
     parser.add_argument(
-        "--reps",
-        type=int,
-        default=7,
-        help="timed samples per function (their median is reported); default: 7",
+        "--latency",
+        action="store_true",
+        help="microseconds per op at small and decode shapes, each op a chain of K "
+        "(<op>_latency.md and .json); with --quick, rows 1 and 64 at one row length",
     )
     parser.add_argument(
-        "--dtypes", nargs="+", default=DTYPES, choices=DTYPES, help="input dtypes; default: both"
+        "--reps",
+        type=int,
+        help=f"timed samples per function (their median is reported); default: 7, "
+        f"{LATENCY_REPS} with --latency",
+    )
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=DTYPES,
+        help="input dtypes; default: both, bfloat16 alone with --latency",
     )
     parser.add_argument("--sizes", nargs="+", type=int, help="only shapes with these N")
     args = parser.parse_args(argv)
-    if args.tune and not kernel_device():
-        parser.error("--tune times kernels, so it needs a GPU that runs them")
+    if args.tune and (args.latency or not kernel_device()):
+        parser.error("--tune times kernels, so it needs a GPU that runs them, and no --latency")
+    args.dtypes = args.dtypes or (["bfloat16"] if args.latency else DTYPES)
+    args.reps = args.reps or (LATENCY_REPS if args.latency else 7)
     fallback = not kernel_device()
     print(describe(), flush=True)
-    if not args.quick and jax.devices()[0].platform == "cpu":
+    if not args.quick and jax.devices()[0].platform == "cpu" and args.latency:
+        print(
+            "The latency shapes are sized for a GPU: on a CPU the large ones take minutes "
+            "each, and rms_norm's largest QK-norm rows (2097152 x 256) more than 23 GB of "
+            "memory. --latency --quick runs two small shapes per op in seconds.",
+            flush=True,
+        )
+    elif not args.quick and jax.devices()[0].platform == "cpu":
         print(
             "The full shapes are sized for a GPU: on a CPU they take hours (about two on 2 "
             "cores). --quick runs small shapes in under a minute.",
             flush=True,
         )
-    if importlib.util.find_spec("flax") is None:
+    if importlib.util.find_spec("flax") is None and not args.latency:
         print("flax is not installed: the norms' Flax columns stay empty", flush=True)
     for name in args.ops:
         op = ops[name]
+        if args.latency:
+            grid = latency_shapes(op, args.quick)
+        else:
+            grid = op.quick_shapes if args.quick else op.shapes
         shapes = [
             (dtype, m, n)
             for dtype in args.dtypes
-            for m, n in (op.quick_shapes if args.quick else op.shapes)
+            for m, n in grid
             if not args.sizes or n in args.sizes
         ]
-        rows = []
-        for i, (dtype, m, n) in enumerate(shapes, 1):
-            print(f"  {name} {dtype} {m}x{n} ({i} of {len(shapes)})", file=sys.stderr, flush=True)
-            rows.append(bench_shape(op, m, n, dtype, args.reps, args.tune, args.quick))
-        header = f"{name}, {datetime.date.today()}, {describe()}, jax {jax.__version__}\n\n"
+        if args.latency:
+            rows = bench_latency(op, shapes, args.reps)
+        else:
+            rows = []
+            for i, (dtype, m, n) in enumerate(shapes, 1):
+                progress = f"  {name} {dtype} {m}x{n} ({i} of {len(shapes)})"
+                print(progress, file=sys.stderr, flush=True)
+                rows.append(bench_shape(op, m, n, dtype, args.reps, args.tune, args.quick))
+        title, stem = (f"{name} latency", f"{name}_latency") if args.latency else (name, name)
+        header = f"{title}, {datetime.date.today()}, {describe()}, jax {jax.__version__}\n\n"
+        if args.latency:
+            header += LATENCY_NOTE + ("" if fallback else SPEEDUP_NOTE) + "\n\n"
         if fallback:
             header += "No speedups: quack_jax ran its XLA fallback, so it times XLA too.\n\n"
-        report = header + table(op, rows, fallback)
+        report = header + table(op, rows, fallback, latency_columns(op) if args.latency else None)
         if args.tune:
             report += "\n\nTuning (each candidate tiling timed alone):\n\n" + tuning_table(op, rows)
         print(report, flush=True)
         if args.out and rows:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name}.md").write_text(report + "\n")
+            (args.out / f"{stem}.md").write_text(report + "\n")
             meta = {
                 "date": str(datetime.date.today()),
                 "device": describe(),
                 "jax": jax.__version__,
                 "options": {k: v for k, v in vars(args).items() if k != "out"},
-                "passes": op.passes,
             }
+            if args.latency:  # and the primitives whose default lowering can skip the kernel
+                meta |= {"unit": "seconds per op", "reference_faster": sorted(REFERENCE_FASTER)}
+            else:
+                meta["passes"] = op.passes
             rows_json = json.dumps({"meta": meta, "rows": rows}, indent=1)
-            (args.out / f"{name}.json").write_text(rows_json)
-            plot(op, rows, args.out / f"{name}.png", describe())
+            (args.out / f"{stem}.json").write_text(rows_json)
+            if not args.latency:
+                plot(op, rows, args.out / f"{name}.png", describe())
 
 
 if __name__ == "__main__":

@@ -666,6 +666,7 @@ def _benchmarks():
             ],
             columns=[*FWD_COLUMNS, *FWD_BWD_COLUMNS, TILINGS],
             footprint=4,
+            latency_shapes=Benchmark.latency((32000, 128256, 256000)),  # vocabularies
         )
     ]
 

@@ -631,6 +631,8 @@ def _benchmark(name: str, rms: bool):
             TILINGS,
         ],
         footprint=8,
+        latency_shapes=Benchmark.latency((1024, 2048, 4096, 8192))
+        + list(Benchmark.QK_NORM_SHAPES if rms else ()),
     )
 
 

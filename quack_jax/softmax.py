@@ -254,6 +254,7 @@ def _benchmarks():
                 TILINGS,
             ],
             footprint=6,
+            latency_shapes=Benchmark.latency((1024, 4096, 8192)),  # attention rows
         )
     ]
 

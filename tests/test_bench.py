@@ -4,10 +4,13 @@ report built from its JSON and a QuACK file, on the CPU with small shapes."""
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import quack_jax
 from quack_jax import bench
+from quack_jax._spec import Benchmark
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +94,72 @@ def test_bench_skips_kernels_it_cannot_get(monkeypatch, tmp_path, capsys):
     table = (tmp_path / "softmax.md").read_text().splitlines()
     cells = [c.strip() for c in next(x for x in table if "4096 x 1024" in x).split("|")]
     assert cells[4] == "-" and cells[5] != "-" and cells[6] == "-"  # quack, XLA, fwd / copy
+
+
+@pytest.fixture(scope="module")
+def latency_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("latency")
+    bench.main(["--latency", "--quick", "--ops", "rms_norm", "--reps", "1", "--out", str(out)])
+    return out
+
+
+def test_latency_writes_microseconds_per_op(latency_dir):
+    result = json.loads((latency_dir / "rms_norm_latency.json").read_text())
+    assert result["meta"]["unit"] == "seconds per op"
+    assert result["meta"]["options"]["dtypes"] == ["bfloat16"]  # the default with --latency
+    assert [(r["m"], r["n"]) for r in result["rows"]] == [(1, 1024), (64, 1024)]
+    paths = ("", "_kernel", "_reference")
+    keys = [f"quack_{p}{s}" for p in ("fwd", "fwd_bwd") for s in paths] + ["xla_fwd", "xla_fwd_bwd"]
+    for row in result["rows"]:
+        assert row["dtype"] == "bfloat16" and row["k"] == 2  # a chain of two on the fallback
+        assert all(row[key] > 0 for key in keys)
+        assert "flax_fwd_bwd" not in row
+        # on the fallback every path lowers to the same program: compiled and timed once
+        assert row["quack_fwd"] == row["quack_fwd_kernel"] == row["quack_fwd_reference"]
+    table = (latency_dir / "rms_norm_latency.md").read_text()
+    assert table.startswith("rms_norm latency, ") and "Microseconds per op" in table
+    headers = ["dtype", "M x N", "K"] + [
+        f"{who} {label} µs"
+        for label in ("fwd", "fwd+bwd")
+        for who in ("quack_jax", "kernel", "reference", "XLA")
+    ]
+    assert "| " + " | ".join(headers) + " |" in table.splitlines()
+    assert "| bfloat16 | 1 x 1024 | 2 |" in table and "| bfloat16 | 64 x 1024 | 2 |" in table
+    assert "speedup" not in table.split("No speedups")[1] and "x |" not in table
+
+
+def test_latency_shapes_are_declared_per_family():
+    ops = bench.benchmarks()
+    rows = set(Benchmark.LATENCY_ROWS)
+    for name, sizes in [
+        ("softmax", {1024, 4096, 8192}),
+        ("layer_norm", {1024, 2048, 4096, 8192}),
+        ("rms_norm", {1024, 2048, 4096, 8192}),
+        ("cross_entropy", {32000, 128256, 256000}),
+    ]:
+        shapes = set(ops[name].latency_shapes)
+        assert {(m, n) for m in rows for n in sizes} <= shapes
+        assert shapes - {(m, n) for m in rows for n in sizes} == (
+            set(Benchmark.QK_NORM_SHAPES) if name == "rms_norm" else set()
+        )
+
+
+def test_chained_ops_wait_for_each_other():
+    """K ops in a chain: each op's arguments pass through a barrier with the previous
+    result (in the lowered program), and the results are the unchained ones."""
+    inputs = [(jnp.full((4, 8), float(k)), jnp.ones((8,))) for k in range(3)]
+
+    def fn(x, w):
+        return jax.nn.softmax(x * w)
+
+    lowered = bench.lower_calls(fn, inputs, chain=True)
+    assert lowered.as_text().count("stablehlo.optimization_barrier") == 2
+    assert "optimization_barrier" not in bench.lower_calls(fn, inputs).as_text()
+    jaxpr = jax.make_jaxpr(bench.chained(fn))(inputs).jaxpr
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    # barrier k takes op k+1's arguments and op k's result (the function's k-th output)
+    assert [b.invars[-1] for b in barriers] == jaxpr.outvars[:2]
+    compiled = lowered.compile()
+    for got, want in zip(compiled(inputs), [fn(*args) for args in inputs], strict=True):
+        assert jnp.array_equal(got, want)
+    assert 0 < bench.time_compiled([(compiled, inputs)], 1)[0] < 1
