@@ -130,9 +130,19 @@ def resident_ctas(kernel, tiling, sms: int) -> int:
 
 # Where XLA's fused formulation (the primitive's reference) is faster than the kernel:
 # small and decode shapes, whose time is the launch and a grid that fills few SMs. By
-# primitive name, a predicate of (rows, row length, itemsize); measured on the H200
-# (``python -m quack_jax.bench --latency``, benchmarks/NOTES.md, issue 17).
-REFERENCE_FASTER: dict[str, Callable[[int, int, int], bool]] = {}
+# primitive name, a predicate of (rows, row length, itemsize, **the primitive's params).
+# Measured on the H200 in bfloat16 (``python -m quack_jax.bench --latency``, four runs;
+# benchmarks/NOTES.md, issue 17): summed over the shapes of each group, XLA's forwards
+# took 3-17% less time than the kernels for softmax up to 1 MiB of input, for the norms
+# up to 8 MiB, and for RMSNorm over rows of at most 256 (QK-norm) at any row count.
+# Every backward, and cross-entropy's kernels, were as fast as XLA or faster.
+SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 1 << 20, 8 << 20, 256
+REFERENCE_FASTER: dict[str, Callable[..., bool]] = {
+    "quack_jax_softmax": lambda m, n, itemsize, **_: m * n * itemsize <= SOFTMAX_BYTES,
+    "quack_jax_norm": lambda m, n, itemsize, rms, **_: (
+        m * n * itemsize <= NORM_BYTES or (rms and n <= QK_NORM)
+    ),
+}
 PATHS = ("auto", "kernel", "reference")
 _path = ["auto"]
 
@@ -151,13 +161,13 @@ def lowering_path(path: str):
         _path.pop()
 
 
-def use_kernel(name: str, aval) -> bool:
-    """Whether the primitive ``name`` launches its kernel for rows like ``aval``'s, on a
-    target that has kernels (see ``lowering_path``)."""
+def use_kernel(name: str, aval, params: dict) -> bool:
+    """Whether the primitive ``name`` with ``params`` launches its kernel for rows like
+    ``aval``'s, on a target that has kernels (see ``lowering_path``)."""
     if _path[-1] != "auto":
         return _path[-1] == "kernel"
     faster = REFERENCE_FASTER.get(name)
-    return not (faster and faster(rows(aval), aval.shape[-1], aval.dtype.itemsize))
+    return not (faster and faster(rows(aval), aval.shape[-1], aval.dtype.itemsize, **params))
 
 
 _one_wave = [True]
@@ -257,7 +267,7 @@ class RowwisePrimitive:
         reference = functools.partial(self._reference_outputs, **params)
 
         def make(avals_in, avals_out):
-            kernel = target and use_kernel(self.primitive.name, avals_in[0])
+            kernel = target and use_kernel(self.primitive.name, avals_in[0], params)
             fn = kernel and self.kernel(target, avals_in, avals_out, **params)
             return fn or reference
 

@@ -1,0 +1,95 @@
+"""The lowering's choice of path by shape (``_primitive.REFERENCE_FASTER``): small softmax
+and norm forwards, and RMSNorm's over QK-norm rows, lower to XLA's formulation, and every
+other kernel stays; ``lowering_path`` overrides the choice, and bad paths raise
+ValueError. On the GPU, the forward on XLA's path and the backward kernel together give
+the float64 result. (Every other test lowers with ``lowering_path("kernel")``: see
+conftest.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import quack_jax
+from quack_jax import _ffi
+from quack_jax._primitive import NORM_BYTES, QK_NORM, SOFTMAX_BYTES, lowering_path
+from quack_jax.build import lower_for_cuda
+
+N = 1024
+W = np.linspace(0.5, 1.5, N, dtype=np.float32)
+# op: (forward, the most bfloat16 bytes of input that its forward sends to XLA, or 0)
+FORWARDS = {
+    "softmax": (lambda x: quack_jax.softmax(x), SOFTMAX_BYTES),
+    "rms_norm": (lambda x: quack_jax.rms_norm(x, W), NORM_BYTES),
+    "layer_norm": (lambda x: quack_jax.layer_norm(x, W, W), NORM_BYTES),
+    "cross_entropy": (
+        lambda x: quack_jax.cross_entropy(x, jnp.zeros(x.shape[0], jnp.int32), reduction="none"),
+        0,
+    ),
+}
+
+
+def launches(fn, rows, n=N, path="auto"):
+    with lowering_path(path):
+        text = lower_for_cuda(fn, (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),))
+    return text.count(f"custom_call @{_ffi.TARGET}")
+
+
+@pytest.mark.parametrize("name", FORWARDS)
+def test_small_forwards_lower_to_xla_where_it_is_faster(name):
+    fn, most = FORWARDS[name]
+    if most:
+        assert launches(fn, most // (N * 2)) == 0
+        assert launches(fn, 1) == 0
+    else:
+        pytest.importorskip("cutlass")  # compiles the kernel it launches
+        assert launches(fn, 1) == 1
+
+
+def test_qk_norm_forward_lowers_to_xla():
+    rms = lambda x: quack_jax.rms_norm(x, jnp.ones(x.shape[-1]))  # noqa: E731
+    assert launches(rms, 2**21, n=QK_NORM) == 0
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("name", ["softmax", "rms_norm", "layer_norm"])
+def test_larger_forwards_and_forced_kernels_launch(name):
+    fn, most = FORWARDS[name]
+    rows = most // (N * 2) + 1
+    assert launches(fn, rows) == 1
+    assert launches(fn, 1, path="kernel") == 1
+    assert launches(fn, rows, path="reference") == 0
+
+
+def test_lowering_path_rejects_unknown_paths():
+    with pytest.raises(ValueError, match="path must be one of"), lowering_path("cuda"):
+        pass
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["softmax", "rms_norm"])
+def test_small_forward_on_xla_with_the_backward_kernel(name):
+    """The training path at a small shape: XLA's forward, then the backward kernel."""
+    x = np.random.default_rng(7).standard_normal((8, N), np.float32)
+    dy = np.random.default_rng(8).standard_normal((8, N), np.float32)
+    fn, _ = FORWARDS[name]
+
+    def loss(x):
+        return jnp.sum(fn(x) * dy)
+
+    with lowering_path("auto"):
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(x)
+        assert lowered.as_text().count(f"custom_call @{_ffi.TARGET}") == 1  # the backward
+        value, grad = lowered.compile()(x)
+    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), W.astype(np.float64)
+    if name == "softmax":
+        p = np.exp(x64 - x64.max(-1, keepdims=True))
+        y = p / p.sum(-1, keepdims=True)
+        want = y * (dy64 - (dy64 * y).sum(-1, keepdims=True))
+    else:
+        rstd = 1 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-6)
+        y = x64 * rstd * w64
+        g = dy64 * w64
+        want = rstd * (g - x64 * rstd**2 * (g * x64).mean(-1, keepdims=True))
+    np.testing.assert_allclose(float(value), (y * dy64).sum(), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-4, atol=1e-5)
