@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 import jax  # noqa: E402
 
 from quack_jax import _cache, _ffi, bench  # noqa: E402
+from quack_jax._primitive import lowering_path  # noqa: E402
 from quack_jax._registry import specs  # noqa: E402
 from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
@@ -66,12 +67,13 @@ class Lowering(NamedTuple):
 
 
 def _benchmark_shapes(ops=BENCH_OPS):
-    """(op, dtype, n, the op's arguments) for every benchmark shape of ``ops``, ``--quick``'s too
-    (the kernels depend on n, not on the number of rows)."""
+    """(op, dtype, n, the op's arguments) for every benchmark shape of ``ops``, ``--quick``'s
+    and ``--latency``'s too (the kernels depend on n, not on the number of rows)."""
     for name in ops:
         op = bench.benchmarks()[name]
         for dtype in bench.DTYPES:
-            for n, m in {n: m for m, n in op.shapes + op.quick_shapes}.items():
+            shapes = op.shapes + op.quick_shapes + op.latency_shapes
+            for n, m in {n: m for m, n in shapes}.items():
                 args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
                 yield op, dtype, n, args
 
@@ -143,7 +145,8 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
 
 def _lower(low: Lowering, arch: str) -> int:
     """Lower one function for CUDA; returns how many kernel launches it holds."""
-    with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext():
+    tiling = override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext()
+    with tiling, lowering_path("kernel"):  # also where the lowering would pick XLA's path
         text = lower_fn(low.fn, low.args, arch)
     launches = text.count(f"custom_call @{_ffi.TARGET}")
     if low.needs_kernel and not launches:

@@ -16,7 +16,7 @@ variant).
 --packaged builds the kernels that ship inside the wheel (quack_jax/cubins) for the row
 lengths in PACKAGED_SIZES (popular open models' hidden sizes and vocabularies, attention
 sequence lengths, QK-norm head sizes, every multiple of 256 up to 8192 for the norms) and
-those of ``python -m quack_jax.bench --quick``, every op and dtype, in the most used
+those of `python -m quack_jax.bench --quick`, every op and dtype, in the most used
 variants; run it before building the wheel:
 
     python -m quack_jax.build --packaged && pip wheel --no-deps . -w dist
@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 
 from . import _cache, _registry
+from ._primitive import lowering_path
 from ._spec import OpSpec
 from ._tiling import ITEMSIZE
 
@@ -103,7 +104,8 @@ def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = 
     ``_spec.OpSpec``) for CUDA; ``packaged``: only the variants that ship in the wheel."""
     specs = _registry.specs()
     start = time.perf_counter()
-    with _cache.kernels_used() as kernels:
+    # the kernels at every shape, also where the lowering would pick XLA's path
+    with _cache.kernels_used() as kernels, lowering_path("kernel"):
         for op in ops:
             for dtype in dtypes:
                 for n in sizes:
