@@ -29,7 +29,7 @@ for step in "$@"; do
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
     nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m quack_jax.bench \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
-    ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --metrics gpu__time_duration.sum \
+    ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
              --csv --print-units base --log-file "$OUT/bench/ncu_jax.csv" \
              python3 benchmarks/profile_kernels.py jax "$OUT/bench" >/dev/null 2>&1 || status=1
          python3 benchmarks/profile_kernels.py report "$OUT/bench" | tee "$OUT/ncu.txt" ;;

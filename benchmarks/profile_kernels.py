@@ -2,7 +2,8 @@
 QuACK for PyTorch, on the rows of a ``quack_jax.bench`` run:
 
     python -m quack_jax.bench --out DIR
-    ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \\
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \\
+        --csv --print-units base \\
         --log-file DIR/ncu_jax.csv python benchmarks/profile_kernels.py jax DIR
     ncu ...same... --log-file DIR/ncu_quack.csv python benchmarks/profile_kernels.py quack DIR
     python benchmarks/profile_kernels.py report DIR
@@ -17,6 +18,9 @@ forward+backward (the bench's functions) once each on one input, and the bench's
 (``quack_torch.py``'s functions). Each function runs once to compile and warm up, then
 once between two marker kernels (``torch.cuda._sleep``, named ``spin_kernel``), and the
 labels of the marked runs go to ``DIR/<stack>_labels.json`` in order, after each run.
+Only the marked runs are profiled (``cudaProfilerStart`` and ``Stop`` around them, for
+ncu's ``--profile-from-start off``): under ncu, XLA's compile-time autotuning would
+otherwise profile every candidate kernel, which made a run too slow to finish.
 ncu serialises the kernels and, by default, flushes the caches before each one, so every
 stack's kernels start cold and alone. ``report`` splits each ncu log at the markers and
 sums each marked run's kernels (a function's whole device time: its kernels, and any
@@ -40,7 +44,8 @@ def bench_rows(folder: pathlib.Path, op: str | None):
     """(op, row) for every row of the bench's JSONs in ``folder`` (of ``op`` only, if given)."""
     for path in sorted(folder.glob("*.json")):
         bench = json.loads(path.read_text())
-        if "passes" in bench.get("meta", {}) and op in (None, path.stem):
+        is_bench = isinstance(bench, dict) and "passes" in bench.get("meta", {})
+        if is_bench and op in (None, path.stem):
             yield from ((path.stem, r) for r in bench["rows"])
 
 
@@ -53,10 +58,12 @@ def run_marked(functions, path: pathlib.Path, sync) -> None:
     for label, thunk in functions:
         sync(thunk())
         torch.cuda.synchronize()
+        torch.cuda.profiler.start()
         torch.cuda._sleep(1000)
         sync(thunk())
         torch.cuda._sleep(1000)
         torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
         labels.append(label)
         path.write_text(json.dumps(labels, indent=1))
 
