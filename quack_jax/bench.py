@@ -16,7 +16,9 @@ Timing: one jitted function applies the op to K distinct inputs (no common subex
 no L2 reuse), K chosen so one call moves about 10 GB (10 with --quick; 1 where quack_jax
 runs its XLA fallback); after a warm-up, each sample is three back-to-back calls (so host
 dispatch overlaps the GPU's work), and the result is the median of the samples divided by
-3 K. The references are timed the same way on the same inputs: XLA's jax.nn.softmax; for
+3 K. The quack_jax functions are lowered to their kernels at every shape (also where the
+default lowering picks XLA's path: see --latency). The references are timed the same
+way on the same inputs: XLA's jax.nn.softmax; for
 the norms a plain jnp formulation (float32 math, rsqrt, LayerNorm with the centred
 variance, cast back to x's dtype) and Flax's nn.RMSNorm / nn.LayerNorm (dtype x's,
 float32 params, the same epsilon, applied with the same weight and bias). So is the
@@ -229,8 +231,10 @@ def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
     tilings = {}  # the tilings of the kernels the quack_jax paths launch, by op suffix
     for case in op.cases:
         inputs = [a[: case.args] for a in arguments]
+        # the kernels at every shape, also where the default lowering picks XLA's path
+        path = lowering_path("kernel") if case.kernel else contextlib.nullcontext()
         try:
-            with _cache.kernels_used() as used:
+            with _cache.kernels_used() as used, path:
                 row[case.key] = time_per_call(case.fn, inputs, reps, case.kernel and on_gpu)
         except _cache.MissingKernelError as error:  # not packaged, and no CuTe-DSL here
             row[case.key] = None

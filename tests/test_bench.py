@@ -68,9 +68,11 @@ def test_report_beside_quack(bench_dir, monkeypatch):
     report.main([str(bench_dir), "--notes", str(notes)])
     text = (bench_dir / "report.md").read_text()
     assert "Hand-written analysis." in text
-    assert text.count("| 0.50x |") == 4  # fwd and fwd+bwd of each op's first row
+    # fwd and fwd+bwd of each op's first row (a "vs XLA" cell may be 0.50x too on a
+    # loaded CPU, where both columns time XLA)
+    assert text.count("| 0.50x |") >= 4
     behind = text.split("## Where quack_jax is behind QuACK")[1]
-    assert behind.count("0.50x") == 4 and "4096 x 1024" in behind
+    assert behind.count("0.50x of QuACK") == 4 and "4096 x 1024" in behind
     assert (bench_dir / "report.png").stat().st_size > 10_000
 
 
