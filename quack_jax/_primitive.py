@@ -151,7 +151,9 @@ _path = ["auto"]
 def lowering_path(path: str):
     """Inside the block, primitives lower to ``path``: "auto" (kernels, except at the
     shapes of ``REFERENCE_FASTER``), "kernel" (kernels wherever they apply: the tests
-    and the benchmark's kernel columns) or "reference" (XLA's formulation everywhere)."""
+    and the benchmark's kernel columns) or "reference" (XLA's formulation everywhere).
+    It applies when a function is lowered: one that jit has already compiled keeps the
+    path it was compiled with."""
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     _path.append(path)
