@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, GPU tests, benchmark. Results land in $OUT.
-#   QUACK_JAX_CACHE=.cubins bash benchmarks/device_run.sh [tests] [bench] [tune]
+#   QUACK_JAX_CACHE=.cubins bash benchmarks/device_run.sh [tests] [bench] [ncu] [latency] [tune]
 # The cubin cache comes from `python benchmarks/prebuild.py --cache .cubins [--tune]`
 # on a CPU machine; the GPU machine has no CuTe-DSL.
 # bench runs every op (softmax, rms_norm, layer_norm, cross_entropy). Tuning several takes
 # longer than one device call: pick them with TUNE_OPS="rms_norm" (default: softmax,
 # rms_norm, layer_norm). ncu (after bench) times each function of the bench's rows by
-# kernel time (benchmarks/profile_kernels.py).
+# kernel time (benchmarks/profile_kernels.py), a process per op and dtype; latency runs
+# bench --latency.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 QUACK_JAX_CACHE=${QUACK_JAX_CACHE:-.cubins}
 OUT=${OUT:-/tmp/quack_jax_out}
@@ -29,9 +30,17 @@ for step in "$@"; do
               2>&1 | tee "$OUT/tune.log" || status=1 ;;
     nocmdbuf) XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m quack_jax.bench \
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
-    ncu) timeout "${NCU_SECONDS:-360}" ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
-             --csv --print-units base --log-file "$OUT/bench/ncu_jax.csv" \
-             python3 benchmarks/profile_kernels.py jax "$OUT/bench" >/dev/null 2>&1 || status=1
+    latency) timeout "${LATENCY_SECONDS:-300}" python3 -m quack_jax.bench --latency \
+                 --out "$OUT/latency" 2>&1 | tee "$OUT/latency.log" || status=1 ;;
+    ncu) for op in softmax rms_norm layer_norm cross_entropy; do  # a process per op and dtype
+             for dtype in bfloat16 float32; do
+                 timeout "${NCU_SECONDS:-90}" ncu --clock-control none \
+                     --profile-from-start off --metrics gpu__time_duration.sum --csv \
+                     --print-units base --log-file "$OUT/bench/ncu_jax_${op}_$dtype.csv" \
+                     python3 benchmarks/profile_kernels.py jax "$OUT/bench" --op $op \
+                     --dtype $dtype >/dev/null 2>&1 || status=1
+             done
+         done
          python3 benchmarks/profile_kernels.py report "$OUT/bench" | tee "$OUT/ncu.txt" ;;
     esac
 done

@@ -8,9 +8,10 @@ QuACK for PyTorch, on the rows of a ``quack_jax.bench`` run:
     ncu ...same... --log-file DIR/ncu_quack.csv python benchmarks/profile_kernels.py quack DIR
     python benchmarks/profile_kernels.py report DIR
 
-With ``--op OP`` a run takes only that op's rows and names its files ``<stack>_<op>``
-(``ncu_jax_softmax.csv``, ``jax_softmax_labels.json``): one process per op, so that a
-time limit costs one op's figures, not all of them.
+With ``--op OP`` (and ``--dtype DTYPE``) a run takes only those rows and names its files
+``<stack>_<op>[_<dtype>]`` (``ncu_jax_softmax.csv``, ``jax_softmax_labels.json``): one
+process per op or per op and dtype, so that a time limit or a crash costs those figures,
+not all of them.
 
 ``jax`` runs, for every row of ``DIR/<op>.json``, quack_jax's and XLA's forward and
 forward+backward (the bench's functions) once each on one input, and the bench's copy
@@ -40,13 +41,15 @@ MARKER = "spin_kernel"
 PASSES = ("fwd", "fwd_bwd")
 
 
-def bench_rows(folder: pathlib.Path, op: str | None):
-    """(op, row) for every row of the bench's JSONs in ``folder`` (of ``op`` only, if given)."""
+def bench_rows(folder: pathlib.Path, op: str | None, dtype: str | None):
+    """(op, row) for every row of the bench's JSONs in ``folder`` (of ``op`` and ``dtype``
+    only, where given)."""
     for path in sorted(folder.glob("*.json")):
         bench = json.loads(path.read_text())
         is_bench = isinstance(bench, dict) and "passes" in bench.get("meta", {})
         if is_bench and op in (None, path.stem):
-            yield from ((path.stem, r) for r in bench["rows"])
+            rows = (r for r in bench["rows"] if dtype in (None, r["dtype"]))
+            yield from ((path.stem, r) for r in rows)
 
 
 def run_marked(functions, path: pathlib.Path, sync) -> None:
@@ -68,14 +71,14 @@ def run_marked(functions, path: pathlib.Path, sync) -> None:
         path.write_text(json.dumps(labels, indent=1))
 
 
-def jax_functions(folder: pathlib.Path, only: str | None):
+def jax_functions(folder: pathlib.Path, *only):
     import jax
 
     from quack_jax._tiling import ITEMSIZE
     from quack_jax.bench import benchmarks, make_inputs
 
     ops = benchmarks()
-    for op_name, r in bench_rows(folder, only):
+    for op_name, r in bench_rows(folder, *only):
         op, (m, n, dtype) = ops[op_name], (r["m"], r["n"], r["dtype"])
         (arguments,) = make_inputs(op.arguments(m, n, dtype), 1, seed=m * n)
         (words,) = make_inputs([((m, n * ITEMSIZE[dtype] // 4), "float32")], 1, seed=m)
@@ -91,11 +94,11 @@ def jax_functions(folder: pathlib.Path, only: str | None):
                 yield label | dict(dtype=dtype, m=m, n=n, pass_=pass_), lambda f=fn, a=args: f(*a)
 
 
-def quack_functions(folder: pathlib.Path, only: str | None):
+def quack_functions(folder: pathlib.Path, *only):
     import torch
     from quack_torch import DTYPES, forward, forward_backward, inputs
 
-    for op_name, r in bench_rows(folder, only):
+    for op_name, r in bench_rows(folder, *only):
         m, n, dtype = r["m"], r["n"], r["dtype"]
         (arguments,) = inputs(op_name, m, n, DTYPES[dtype], 1)
         for pass_, fn in zip(PASSES, (forward(op_name), forward_backward(op_name)), strict=True):
@@ -169,15 +172,16 @@ if __name__ == "__main__":
     parser.add_argument("what", choices=("jax", "quack", "report"))
     parser.add_argument("folder", type=pathlib.Path, help="a bench --out folder")
     parser.add_argument("--op", help="only this op's rows")
+    parser.add_argument("--dtype", help="only rows of this dtype")
     args = parser.parse_args()
-    name = args.what + (f"_{args.op}" if args.op else "")
-    labels = args.folder / f"{name}_labels.json"
+    name = "_".join(filter(None, (args.what, args.op, args.dtype)))
+    labels, rows = args.folder / f"{name}_labels.json", (args.op, args.dtype)
     if args.what == "report":
         report(args.folder)
     elif args.what == "jax":
         import jax
 
-        run_marked(jax_functions(args.folder, args.op), labels, jax.block_until_ready)
+        run_marked(jax_functions(args.folder, *rows), labels, jax.block_until_ready)
     else:
-        run_marked(quack_functions(args.folder, args.op), labels, lambda _: None)
+        run_marked(quack_functions(args.folder, *rows), labels, lambda _: None)
     sys.exit(0)
