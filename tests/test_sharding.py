@@ -181,14 +181,21 @@ def test_reduced_axis_sharded_in_explicit_mode():
 
 @pytest.mark.parametrize("backend", backends())
 def test_shard_map_matches_unsharded(backend):
-    """softmax of bfloat16 rows in shard_map: each device's rows, the same bits."""
+    """softmax of bfloat16 rows in shard_map: each device's rows, the same bits from the
+    kernels. XLA's CPU fallback does not promise that: on jax 0.12 it once rounded one
+    row's sum differently (1 bfloat16 ulp, 1 CI run in 3), so there it may differ by one
+    ulp."""
     mesh = make_mesh(backend, "8" if backend == "cpu" else "2")
     shape = (64, 300) if backend == "cpu" else (LEAD["gpu"][0], SIZES["gpu"]["softmax"])
     x = jax.random.normal(key_for("shard_map", shape), shape, jnp.bfloat16)
     sharded = jax.device_put(x, NamedSharding(mesh, P("a")))
     f = jax.jit(jax.shard_map(quack_jax.softmax, mesh=mesh, in_specs=P("a"), out_specs=P("a")))
     one = jax.jit(quack_jax.softmax)(jax.device_put(x, devices(backend)[0]))
-    np.testing.assert_array_equal(np.asarray(f(sharded), np.float32), np.asarray(one, np.float32))
+    got, want = np.asarray(f(sharded), np.float32), np.asarray(one, np.float32)
+    if backend == "gpu":
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=0)  # one ulp
 
 
 @pytest.mark.parametrize(
