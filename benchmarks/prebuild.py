@@ -36,7 +36,6 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 import jax  # noqa: E402
 
 from quack_jax import _cache, _ffi, bench  # noqa: E402
-from quack_jax._primitive import lowering_path  # noqa: E402
 from quack_jax._registry import specs  # noqa: E402
 from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
@@ -145,8 +144,7 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
 
 def _lower(low: Lowering, arch: str) -> int:
     """Lower one function for CUDA; returns how many kernel launches it holds."""
-    tiling = override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext()
-    with tiling, lowering_path("kernel"):  # also where the lowering would pick XLA's path
+    with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext():
         text = lower_fn(low.fn, low.args, arch)
     launches = text.count(f"custom_call @{_ffi.TARGET}")
     if low.needs_kernel and not launches:

@@ -57,20 +57,24 @@ def load(folder: pathlib.Path):
                 for impl in (*IMPLS, "copy"):
                     t = kernel_seconds.get((impl, op, r["dtype"], r["m"], r["n"], case))
                     counted = "copy" if impl == "copy" else f"quack_{case}"
-                    row[impl, case, "kernel"] = _rate(passes, r | {"t": t}, "t", counted)
+                    row[impl, case, "kernel"] = _tbps(passes, r, counted, t)
             rows.append(row)
         tables[op] = rows
     meta["kernel_times"] = bool(kernel_seconds)
     return tables, meta
 
 
-def _rate(passes, r, key, counted=None):
-    """TB/s of a bench row's entry ``key`` (seconds per application), counting the bytes of
-    the bench's entry ``counted`` (default: ``key``); None if not timed."""
-    if r[key] is None:
+def _rate(passes, r, key):
+    """TB/s of a bench row's entry ``key`` (seconds per application), None if not timed."""
+    return _tbps(passes, r, key, r[key])
+
+
+def _tbps(passes, r, key, seconds):
+    """TB/s of the bytes the bench's entry ``key`` counts for row ``r``, moved in
+    ``seconds``; None if not timed."""
+    if seconds is None:
         return None
-    nbytes = passes[counted or key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]]
-    return nbytes / r[key] / 1e12
+    return passes[key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]] / seconds / 1e12
 
 
 def ratio(row, case, other="QuACK", *kernel):

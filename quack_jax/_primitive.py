@@ -32,6 +32,7 @@ from ._cache import get_kernel
 from ._configs import KernelConfig
 from ._jax_private import new_primitive
 from ._partition import ROWS, partitioned
+from ._spec import QK_NORM_SIZES
 from ._tiling import choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
@@ -136,7 +137,7 @@ def resident_ctas(kernel, tiling, sms: int) -> int:
 # took 3-17% less time than the kernels for softmax up to 1 MiB of input, for the norms
 # up to 8 MiB, and for RMSNorm over rows of at most 256 (QK-norm) at any row count.
 # Every backward, and cross-entropy's kernels, were as fast as XLA or faster.
-SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 1 << 20, 8 << 20, 256
+SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 1 << 20, 8 << 20, max(QK_NORM_SIZES)
 REFERENCE_FASTER: dict[str, Callable[..., bool]] = {
     "quack_jax_softmax": lambda m, n, itemsize, **_: m * n * itemsize <= SOFTMAX_BYTES,
     "quack_jax_norm": lambda m, n, itemsize, rms, **_: (

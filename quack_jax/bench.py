@@ -18,12 +18,11 @@ runs its XLA fallback); after a warm-up, each sample is three back-to-back calls
 dispatch overlaps the GPU's work), and the result is the median of the samples divided by
 3 K. The quack_jax functions are lowered to their kernels at every shape (also where the
 default lowering picks XLA's path: see --latency). The references are timed the same
-way on the same inputs: XLA's jax.nn.softmax; for
-the norms a plain jnp formulation (float32 math, rsqrt, LayerNorm with the centred
-variance, cast back to x's dtype) and Flax's nn.RMSNorm / nn.LayerNorm (dtype x's,
-float32 params, the same epsilon, applied with the same weight and bias). So is the
-ceiling: x * 2 over float32 arrays of the same byte size. TB/s counts the bytes the op
-must move at least, e being x's element size:
+way on the same inputs: XLA's jax.nn.softmax; for the norms a plain jnp formulation
+(float32 math, rsqrt, LayerNorm with the centred variance, cast back to x's dtype) and
+Flax's nn.RMSNorm / nn.LayerNorm (dtype x's, float32 params, the same epsilon, applied
+with the same weight and bias). So is the ceiling: x * 2 over float32 arrays of the same
+byte size. TB/s counts the bytes the op must move at least, e being x's element size:
 
 - softmax: forward 2*M*N*e (read x, write y); forward+backward, jax.vjp that also
   returns y (as in training, where y is used), 5*M*N*e (the forward reads x and writes y,

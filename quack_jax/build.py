@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from . import _cache, _registry
 from ._primitive import lowering_path
-from ._spec import OpSpec
+from ._spec import QK_NORM_SIZES, OpSpec
 from ._tiling import ITEMSIZE
 
 ARCHS = ("sm_90a",)
@@ -65,10 +65,10 @@ _HIDDEN, _VOCAB = (set(sizes) for sizes in zip(*COMMON_MODELS.values(), strict=T
 PACKAGED_SIZES = {
     # softmax over attention rows
     "sequence": sorted(COMMON_SEQUENCES),
-    # the norms: the models' hidden sizes; QK-norm's head sizes 64, 128, 256 (an RMSNorm
-    # over each attention head: Qwen3, Gemma 3, OLMo 2); and every multiple of 256 up to
-    # 8192, the hidden sizes of models not listed (and of small ones being trained)
-    "hidden": sorted(_HIDDEN | {64, 128, 256} | set(range(256, 8192 + 1, 256))),
+    # the norms: the models' hidden sizes; QK-norm's head sizes (``_spec.QK_NORM_SIZES``);
+    # and every multiple of 256 up to 8192, the hidden sizes of models not listed (and of
+    # small ones being trained)
+    "hidden": sorted(_HIDDEN | set(QK_NORM_SIZES) | set(range(256, 8192 + 1, 256))),
     # cross-entropy: the models' vocabularies
     "vocab": sorted(_VOCAB),
 }
@@ -87,12 +87,14 @@ def _lowering_arch(arch: str):
             os.environ["QUACK_JAX_CUDA_ARCH"] = previous
 
 
-def lower_for_cuda(fn: Callable, args, arch: str = "sm_90a") -> str:
+def lower_for_cuda(fn: Callable, args, arch: str = "sm_90a", path: str = "kernel") -> str:
     """Lower ``fn`` at ``args`` (shape-dtype structs) for CUDA on any host, which loads or
-    compiles every kernel it launches; returns the StableHLO text."""
+    compiles every kernel it launches; returns the StableHLO text. ``path`` (see
+    ``_primitive.lowering_path``): by default the kernels at every shape, also where the
+    default lowering would pick XLA's path, so that builds hold every kernel."""
     import jax
 
-    with _lowering_arch(arch):
+    with _lowering_arch(arch), lowering_path(path):
         # a fresh function each time: JAX's caches must not return an earlier lowering
         # (one made under another tiling override, say)
         fresh = jax.jit(lambda *a: fn(*a))
@@ -104,8 +106,7 @@ def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = 
     ``_spec.OpSpec``) for CUDA; ``packaged``: only the variants that ship in the wheel."""
     specs = _registry.specs()
     start = time.perf_counter()
-    # the kernels at every shape, also where the lowering would pick XLA's path
-    with _cache.kernels_used() as kernels, lowering_path("kernel"):
+    with _cache.kernels_used() as kernels:
         for op in ops:
             for dtype in dtypes:
                 for n in sizes:

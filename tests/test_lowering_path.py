@@ -30,8 +30,7 @@ FORWARDS = {
 
 
 def launches(fn, rows, n=N, path="auto"):
-    with lowering_path(path):
-        text = lower_for_cuda(fn, (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),))
+    text = lower_for_cuda(fn, (jax.ShapeDtypeStruct((rows, n), jnp.bfloat16),), path=path)
     return text.count(f"custom_call @{_ffi.TARGET}")
 
 
