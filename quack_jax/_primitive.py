@@ -1,7 +1,8 @@
 """Row-wise kernels as JAX primitives, lowered per platform.
 
 Each kernel is a primitive whose first operand is an ``(..., n)`` array reduced over its
-last axis. On a CUDA device whose arch has kernels it lowers to one launch of a cubin;
+last axis. On a CUDA device whose arch has kernels it lowers to one launch of a cubin,
+except at the shapes where the reference measured faster (``REFERENCE_FASTER``);
 everywhere else (CPU, TPU, other GPUs, dtypes or sizes the kernels do not cover) it
 lowers to an XLA reference with the same semantics. The choice is made when the
 computation is lowered for a platform, so one jitted function runs on CPU and GPU devices

@@ -481,10 +481,12 @@ def rms_norm(
       prenorm: also return h, the residual stream of a pre-norm block.
       weight_offset: added to the weight (1.0 for Gemma's ``(1 + w)`` scaling).
       out_dtype: dtype of the result (default x's).
-      implementation: None (the kernels on a CUDA sm_90 device, the XLA fallback
-        elsewhere) or "xla": a plain jnp formulation that JAX differentiates, with no
-        quack_jax primitive in the program (to bisect a numerics difference). None
-        follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
+      implementation: None (the kernels on a CUDA sm_90 device, except the forward up
+        to 8 MiB of input and RMSNorm's over rows of at most 256 elements, which lower
+        to XLA's formulation where that measured faster; the XLA fallback elsewhere) or
+        "xla": a plain jnp formulation that JAX differentiates, with no quack_jax
+        primitive in the program (to bisect a numerics difference). None follows
+        ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
 
     Returns:
       y, or ``(y, h)`` with ``prenorm``. ``jax.grad`` runs one backward kernel for dx

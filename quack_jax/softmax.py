@@ -184,9 +184,11 @@ def softmax(
         part; the others give 0 (-inf for log_softmax), as do rows with none, and get
         zero derivatives. The kernel runs on ``jnp.where(where, x, -inf)``, an XLA select
         on each side of it.
-      implementation: None (the kernels on a CUDA sm_90 device, the XLA fallback
-        elsewhere) or "xla": a plain jnp formulation that JAX differentiates, with no
-        quack_jax primitive in the program (to bisect a numerics difference). None
+      implementation: None (the kernels on a CUDA sm_90 device, except the forward up
+        to 1 MiB of input, which lowers to XLA's formulation where that measured
+        faster; the XLA fallback elsewhere) or "xla": a plain jnp formulation that JAX
+        differentiates, with no quack_jax primitive in the program (to bisect a
+        numerics difference). None
         follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
 
     NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
