@@ -14,12 +14,16 @@
 // Kernel parameters, in order: one pointer per input buffer, one per output buffer, then
 // the scalars.
 //
+// The library also exports QuackJaxMaxActiveClusters, the occupancy query that sizes the
+// persistent grids at lowering time, and QuackJaxCapturedLaunches (for tests).
+//
 // The CUDA driver is opened at run time (dlopen of libcuda.so.1), so the library builds
 // without the CUDA toolkit and loads on machines without a GPU.
 
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -41,6 +45,7 @@ using CUmodule = struct CUmod_st*;
 using CUfunction = struct CUfunc_st*;
 using CUstream = struct CUstream_st*;
 using CUdeviceptr = unsigned long long;
+using CUdevice = int;
 
 constexpr CUresult kCudaSuccess = 0;
 constexpr int kFuncAttrMaxDynamicSharedBytes = 8;
@@ -81,6 +86,12 @@ struct Driver {
   CUresult (*launch_kernel_ex)(const LaunchConfig*, CUfunction, void**, void**) = nullptr;
   CUresult (*memset_d8_async)(CUdeviceptr, unsigned char, size_t, CUstream) = nullptr;
   CUresult (*stream_is_capturing)(CUstream, int*) = nullptr;
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*primary_ctx_release)(CUdevice) = nullptr;
+  CUresult (*module_unload)(CUmodule) = nullptr;
+  CUresult (*occupancy_max_active_clusters)(int*, CUfunction, const LaunchConfig*) = nullptr;
   std::string error;  // why the driver is unusable, empty when it is usable
 };
 
@@ -111,19 +122,29 @@ const Driver& GetDriver() {
     Resolve(lib, "cuLaunchKernelEx", d.launch_kernel_ex, d.error);
     Resolve(lib, "cuMemsetD8Async", d.memset_d8_async, d.error);
     Resolve(lib, "cuStreamIsCapturing", d.stream_is_capturing, d.error);
+    Resolve(lib, "cuInit", d.init, d.error);
+    Resolve(lib, "cuDeviceGet", d.device_get, d.error);
+    Resolve(lib, "cuDevicePrimaryCtxRetain", d.primary_ctx_retain, d.error);
+    Resolve(lib, "cuDevicePrimaryCtxRelease_v2", d.primary_ctx_release, d.error);
+    Resolve(lib, "cuModuleUnload", d.module_unload, d.error);
+    Resolve(lib, "cuOccupancyMaxActiveClusters", d.occupancy_max_active_clusters, d.error);
     return d;
   }();
   return driver;
 }
 
-ffi::Error CudaError(CUresult status, std::string_view kernel, std::string_view what) {
+std::string CudaMessage(CUresult status, std::string_view kernel, std::string_view what) {
   const Driver& d = GetDriver();
   const char* name = "CUDA_ERROR_UNKNOWN";
   const char* text = "unknown error";
   d.get_error_name(status, &name);
   d.get_error_string(status, &text);
-  return ffi::Error::Internal(std::string("quack_jax kernel ") + std::string(kernel) + ": " +
-                              std::string(what) + " failed with " + name + " (" + text + ")");
+  return std::string("quack_jax kernel ") + std::string(kernel) + ": " + std::string(what) +
+         " failed with " + name + " (" + text + ")";
+}
+
+ffi::Error CudaError(CUresult status, std::string_view kernel, std::string_view what) {
+  return ffi::Error::Internal(CudaMessage(status, kernel, what));
 }
 
 // Functions loaded so far, per (CUDA context, cubin digest). Modules stay loaded for the
@@ -336,6 +357,59 @@ QUACK_JAX_EXPORT XLA_FFI_Error* QuackJaxLaunch(XLA_FFI_CallFrame* call_frame);
 
 // How many launches so far were recorded into CUDA graphs (XLA command buffers).
 QUACK_JAX_EXPORT int64_t QuackJaxCapturedLaunches() { return captured_launches.load(); }
+
+// Sets `count` to how many clusters of (1, cluster_n, 1) CTAs of `threads` threads and
+// `smem` bytes of dynamic shared memory the kernel `symbol` of `cubin` runs at once on
+// the CUDA device `ordinal` (cuOccupancyMaxActiveClusters: it knows how the device's SMs
+// are grouped, which a count of SMs does not). Returns 0, or 1 with the reason in `error`.
+QUACK_JAX_EXPORT int QuackJaxMaxActiveClusters(const void* cubin, const char* symbol, int smem,
+                                               int threads, int cluster_n, int ordinal,
+                                               int* count, char* error, size_t error_size) {
+  const Driver& d = GetDriver();
+  std::string message;
+  if (!d.error.empty()) message = "quack_jax kernel " + std::string(symbol) + ": " + d.error;
+  CUdevice device = 0;
+  CUcontext ctx = nullptr;
+  CUmodule module = nullptr;
+  auto check = [&](CUresult s, const char* what) {
+    if (s != kCudaSuccess && message.empty()) message = CudaMessage(s, symbol, what);
+    return message.empty();
+  };
+  bool retained = message.empty() && check(d.init(0), "cuInit") &&
+                  check(d.device_get(&device, ordinal), "cuDeviceGet") &&
+                  check(d.primary_ctx_retain(&ctx, device), "cuDevicePrimaryCtxRetain");
+  if (retained && check(d.ctx_push(ctx), "cuCtxPushCurrent")) {
+    CUfunction function = nullptr;
+    LaunchAttribute attr{};
+    attr.id = kLaunchAttrClusterDimension;
+    attr.value.cluster_dim = {1, static_cast<unsigned>(cluster_n), 1};
+    LaunchConfig config{};
+    config.grid_x = 1;
+    config.grid_y = static_cast<unsigned>(cluster_n);
+    config.grid_z = 1;
+    config.block_x = static_cast<unsigned>(threads);
+    config.block_y = 1;
+    config.block_z = 1;
+    config.shared_bytes = static_cast<unsigned>(smem);
+    config.attrs = &attr;
+    config.num_attrs = 1;
+    check(d.module_load_data(&module, cubin), "cuModuleLoadData") &&
+        check(d.module_get_function(&function, module, symbol), "cuModuleGetFunction") &&
+        check(d.func_set_attribute(function, kFuncAttrMaxDynamicSharedBytes, smem),
+              "raising the shared memory limit") &&
+        check(d.func_set_attribute(function, kFuncAttrNonPortableClusterSizeAllowed, 1),
+              "allowing a non-portable cluster") &&
+        check(d.occupancy_max_active_clusters(count, function, &config),
+              "cuOccupancyMaxActiveClusters");
+    if (module != nullptr) d.module_unload(module);
+    CUcontext popped = nullptr;
+    d.ctx_pop(&popped);
+  }
+  if (retained) d.primary_ctx_release(device);
+  if (message.empty()) return 0;
+  snprintf(error, error_size, "%s", message.c_str());
+  return 1;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuackJaxLaunchInitialize, Initialize,
                               Bind<ffi::ExecutionStage::kInitialize>());

@@ -47,6 +47,20 @@ def captured_launches() -> int:
     return lib.QuackJaxCapturedLaunches()
 
 
+def max_active_clusters(kernel: CubinKernel, threads: int, cluster_n: int, device: int) -> int:
+    """How many clusters of ``cluster_n`` CTAs of ``kernel``, ``threads`` threads each, CUDA
+    device ``device`` runs at once (the driver's occupancy count)."""
+    fn = load_library().QuackJaxMaxActiveClusters
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, *[ctypes.c_int] * 4]
+    fn.argtypes += [ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t]
+    count, error = ctypes.c_int(0), ctypes.create_string_buffer(512)
+    symbol = kernel.symbol.encode()
+    args = (kernel.cubin, symbol, kernel.smem_bytes, threads, cluster_n, device)
+    if fn(*args, ctypes.byref(count), error, len(error)):
+        raise RuntimeError(error.value.decode())
+    return count.value
+
+
 def call(
     kernel: CubinKernel,
     grid: tuple[int, int, int],

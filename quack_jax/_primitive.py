@@ -50,10 +50,12 @@ _SM_REGISTERS, _SM_THREADS, _SM_CTAS, _SM_SMEM = 65536, 2048, 32, 228 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """What kernels are lowered for: the arch and the number of SMs per device."""
+    """What kernels are lowered for: the arch, the number of SMs per device and the CUDA
+    ordinal of one of the devices (None when lowering where no CUDA device is present)."""
 
     arch: str
     sms: int = DEFAULT_SMS
+    device: int | None = None
 
 
 def kernel_target(ctx: mlir.LoweringRuleContext) -> Target | None:
@@ -74,7 +76,8 @@ def kernel_target(ctx: mlir.LoweringRuleContext) -> Target | None:
     arch = archs.pop() if len(archs) == 1 else None
     if arch is None:
         return None
-    return Target(arch, min(getattr(d, "core_count", DEFAULT_SMS) for d in devices))
+    sms = min(getattr(d, "core_count", DEFAULT_SMS) for d in devices)
+    return Target(arch, sms, devices[0].local_hardware_id)
 
 
 def compute_dtype(dtype):
@@ -117,8 +120,15 @@ def kernel_call(
     return _ffi.call(kernel, tiling.grid(m), tiling.block, dims, scalars, results, aliases)
 
 
-def resident_ctas(kernel, tiling, sms: int) -> int:
-    """How many CTAs of ``kernel`` the GPU holds at once (one wave of a persistent grid)."""
+def resident_clusters(kernel, tiling, target: Target) -> int:
+    """How many clusters of ``kernel`` (CTAs, if it has no cluster) the GPU holds at once:
+    one wave of a persistent grid. The driver's count for the device lowered for; where
+    none is present, an estimate from the SM count, which overcounts clusters of 8 or more CTAs
+    (on the H200, 33 clusters of 8 where 30 fit, 16 of 16 where 14 do: a second, short
+    wave that cost up to 40%, benchmarks/NOTES.md)."""
+    if target.device is not None:
+        key = (kernel, tiling.num_threads, tiling.cluster_n, target.device)
+        return max(_active_clusters(*key), 1)
     warps = tiling.num_threads // 32
     per_warp = -(-max(kernel.registers, 1) * 32 // 256) * 256
     per_sm = min(
@@ -127,7 +137,10 @@ def resident_ctas(kernel, tiling, sms: int) -> int:
         _SM_THREADS // tiling.num_threads,
         _SM_SMEM // (kernel.smem_bytes + 1024),
     )
-    return max(sms * max(per_sm, 1) // tiling.cluster_n, 1)
+    return max(target.sms * max(per_sm, 1) // tiling.cluster_n, 1)
+
+
+_active_clusters = functools.cache(_ffi.max_active_clusters)
 
 
 # Where XLA's fused formulation (the primitive's reference) is faster than the kernel:
@@ -197,7 +210,7 @@ def persistent_call(target: Target, config: KernelConfig, aval, tiling, results)
     kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     ctas = -(-m // tiling.rows_per_cta)
     if _one_wave[-1]:
-        ctas = min(ctas, resident_ctas(kernel, tiling, target.sms))
+        ctas = min(ctas, resident_clusters(kernel, tiling, target))
     grid = (ctas, tiling.cluster_n, 1)
     scalars = (m, *config.scalars())
     return _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, results(ctas))

@@ -287,7 +287,20 @@ def test_ffi_library_builds_without_cuda(tmp_path):
     )
     symbols = subprocess.run(["nm", "-D", str(out)], capture_output=True, text=True).stdout
     exported = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
-    assert exported == {"QuackJaxLaunch", "QuackJaxLaunchInitialize", "QuackJaxCapturedLaunches"}
+    assert exported == {
+        "QuackJaxLaunch",
+        "QuackJaxLaunchInitialize",
+        "QuackJaxCapturedLaunches",
+        "QuackJaxMaxActiveClusters",
+    }
+
+
+def test_occupancy_query_failure_names_the_kernel():
+    """The persistent grids' occupancy query raises, naming the kernel, where the driver
+    fails (here without a GPU: no libcuda)."""
+    kernel = _cache.CubinKernel("op", "some_kernel_name", b"not a cubin", 0)
+    with pytest.raises(RuntimeError, match="quack_jax kernel some_kernel_name: "):
+        _ffi.max_active_clusters(kernel, 128, 1, 0)
 
 
 @pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="manylinux: x86_64 only")

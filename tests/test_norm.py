@@ -24,7 +24,7 @@ from checks import BACKENDS, assert_close, backend_param, backends, grid, key_fo
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import quack_jax
-from quack_jax import _cache, _ffi
+from quack_jax import _cache, _ffi, _primitive
 from quack_jax._registry import specs as op_specs
 
 OPS = {"rms_norm": quack_jax.rms_norm, "layer_norm": quack_jax.layer_norm}
@@ -1028,6 +1028,36 @@ def cuda(kernel_dir, monkeypatch):
 def launches(fn, *args):
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return text.count(f"custom_call @{_ffi.TARGET}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 65536])
+def test_persistent_grid_is_one_wave_of_the_devices_clusters(monkeypatch, n):
+    """A persistent kernel's grid is the driver's count of the clusters the device holds
+    at once (never more than the SM-count estimate, which overcounts 16-CTA clusters on
+    the H200 at n = 65536), or the row blocks if fewer."""
+    seen = []
+    resident = _primitive.resident_clusters
+
+    def spy(kernel, tiling, target):
+        clusters = resident(kernel, tiling, target)
+        estimate = resident(kernel, tiling, dataclasses.replace(target, device=None))
+        seen.append((clusters, estimate))
+        return clusters
+
+    monkeypatch.setattr(_primitive, "resident_clusters", spy)
+    x = jax.ShapeDtypeStruct((8192, n), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((n,), jnp.float32)
+
+    def loss(x, w):
+        return quack_jax.rms_norm(x, w).astype(jnp.float32).sum()
+
+    text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
+    grids = [int(g.split(",", 1)[0]) for g in text.split("grid = dense<[")[1:]]
+    assert len(seen) == len(grids) == 2  # forward and backward
+    for (clusters, estimate), launched in zip(seen, grids, strict=True):
+        assert 1 <= clusters <= estimate
+        assert launched == clusters  # 8192 rows are more row blocks than a wave holds
 
 
 @pytest.mark.cutlass
