@@ -123,9 +123,9 @@ def kernel_call(
 def resident_clusters(kernel, tiling, target: Target) -> int:
     """How many clusters of ``kernel`` (CTAs, if it has no cluster) the GPU holds at once:
     one wave of a persistent grid. The driver's count for the device lowered for; where
-    none is present, an estimate from the SM count, which overcounts clusters of 8 or more CTAs
-    (on the H200, 33 clusters of 8 where 30 fit, 16 of 16 where 14 do: a second, short
-    wave that cost up to 40%, benchmarks/NOTES.md)."""
+    none is present, an estimate from the SM count. The estimate overcounts large
+    clusters (on the H200, 33 clusters of 8 CTAs where 30 fit, 16 of 16 where 14 do),
+    and the second, short wave made those kernels up to 1.4x slower (benchmarks/NOTES.md)."""
     if target.device is not None:
         key = (kernel, tiling.num_threads, tiling.cluster_n, target.device)
         return max(_active_clusters(*key), 1)
