@@ -188,8 +188,8 @@ def softmax(
         to 1 MiB of input, which lowers to XLA's formulation where that measured
         faster; the XLA fallback elsewhere) or "xla": a plain jnp formulation that JAX
         differentiates, with no quack_jax primitive in the program (to bisect a
-        numerics difference). None
-        follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
+        numerics difference). None follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or
+        unset), read at trace time.
 
     NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
     or only -inf, gives NaN). Differentiable to any order; ``jax.grad`` runs one fused
