@@ -204,8 +204,9 @@ def full_grid():
 
 def persistent_call(target: Target, config: KernelConfig, aval, tiling, results):
     """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
-    CTAs (at most one per row block; see ``full_grid``); ``results(ctas)`` gives the
-    result structs, which may depend on the grid (per-CTA partials)."""
+    clusters (``resident_clusters``; at most one per row block; see ``full_grid``);
+    ``results(ctas)`` gives the result structs, which may depend on the grid (per-CTA
+    partials)."""
     m = rows(aval)
     kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     ctas = -(-m // tiling.rows_per_cta)
