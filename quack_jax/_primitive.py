@@ -187,30 +187,31 @@ def use_kernel(name: str, aval, params: dict) -> bool:
     return not (faster and faster(rows(aval), aval.shape[-1], aval.dtype.itemsize, **params))
 
 
-_one_wave = [True]
+_grids: list[bool | None] = [None]  # persistent grids forced to one wave or not (the tuner)
 
 
 @contextlib.contextmanager
-def full_grid():
-    """Inside the block, persistent kernels are lowered to one CTA per row block instead
-    of one wave (an experiment of the benchmark's tuner: the kernels loop over the blocks
-    they are given, so only the grid changes)."""
-    _one_wave.append(False)
+def persistent_grid(one_wave: bool):
+    """Inside the block, persistent kernels are lowered to one wave of clusters
+    (``one_wave``) or to one CTA per row block, whatever their family's rule
+    (``_tiling.one_wave``): the benchmark's tuner times both. The kernels loop over the
+    blocks they are given, so only the grid changes."""
+    _grids.append(one_wave)
     try:
         yield
     finally:
-        _one_wave.pop()
+        _grids.pop()
 
 
-def persistent_call(target: Target, config: KernelConfig, aval, tiling, results):
+def persistent_call(target: Target, config: KernelConfig, aval, tiling, results, one_wave=True):
     """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
-    clusters (``resident_clusters``; at most one per row block; see ``full_grid``);
-    ``results(ctas)`` gives the result structs, which may depend on the grid (per-CTA
-    partials)."""
+    clusters (``resident_clusters``; at most one per row block), or with ``one_wave``
+    false on one CTA per row block (see ``persistent_grid``); ``results(ctas)`` gives the
+    result structs, which may depend on the grid (per-CTA partials)."""
     m = rows(aval)
     kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     ctas = -(-m // tiling.rows_per_cta)
-    if _one_wave[-1]:
+    if one_wave if _grids[-1] is None else _grids[-1]:
         ctas = min(ctas, resident_clusters(kernel, tiling, target))
     grid = (ctas, tiling.cluster_n, 1)
     scalars = (m, *config.scalars())

@@ -162,35 +162,71 @@ _TABLES = {
         (256 * _K, (256, 256, 16)),
     ],
 }
-# Norms: RMSNorm with a float32 weight, tuned on the H200 (run 9 in benchmarks/NOTES.md).
-_TABLES["norm_fwd", 2] = [
-    (1 * _K, (16, 128, 1)),
+# Norms, with float32 weights (and bias), tuned on the H200 (2026-12-01 in
+# benchmarks/NOTES.md): RMSNorm and LayerNorm each have their own, since LayerNorm's two
+# reductions and bias move its best tilings (its bfloat16 forward at n = 65536: 2.0 TB/s
+# on RMSNorm's entry, 3.5 on its own).
+_TABLES["rms_norm_fwd", 2] = [
+    (1 * _K, (32, 256, 1)),
     (4 * _K, (64, 128, 2)),
     (8 * _K, (128, 128, 2)),
-    (16 * _K, (128, 512, 2)),
-    (64 * _K, (1024, 1024, 2)),
+    (16 * _K, (64, 128, 4)),
+    (64 * _K, (64, 256, 16)),
 ]
-_TABLES["norm_fwd", 4] = [
-    (1 * _K, (16, 256, 1)),
-    (4 * _K, (64, 128, 1)),
+_TABLES["rms_norm_fwd", 4] = [
+    (1 * _K, (32, 256, 1)),
+    (4 * _K, (32, 256, 2)),
     (8 * _K, (256, 256, 1)),
-    (16 * _K, (128, 256, 2)),
+    (16 * _K, (32, 256, 8)),
     (64 * _K, (128, 128, 8)),
 ]
-_TABLES["norm_bwd", 2] = [
-    (1 * _K, (64, 256, 1)),
-    (4 * _K, (128, 128, 1)),
+_TABLES["rms_norm_bwd", 2] = [
+    (1 * _K, (32, 128, 1)),
+    (4 * _K, (256, 512, 1)),
     (8 * _K, (512, 512, 1)),
-    (16 * _K, (512, 512, 2)),
+    (16 * _K, (128, 128, 8)),
     (64 * _K, (128, 128, 16)),
 ]
-_TABLES["norm_bwd", 4] = [
-    (1 * _K, (32, 128, 1)),
-    (4 * _K, (128, 128, 1)),
+_TABLES["rms_norm_bwd", 4] = [
+    (1 * _K, (32, 256, 1)),
+    (4 * _K, (128, 512, 2)),
     (8 * _K, (256, 256, 1)),
     (16 * _K, (512, 512, 2)),
     (64 * _K, (128, 128, 16)),
 ]
+_TABLES["layer_norm_fwd", 2] = [
+    (1 * _K, (32, 128, 1)),
+    (4 * _K, (64, 512, 2)),
+    (8 * _K, (64, 256, 4)),
+    (16 * _K, (128, 256, 4)),
+    (64 * _K, (256, 256, 8)),
+]
+_TABLES["layer_norm_fwd", 4] = [
+    (1 * _K, (32, 512, 1)),
+    (4 * _K, (32, 256, 4)),
+    (8 * _K, (32, 256, 8)),
+    (16 * _K, (64, 512, 8)),
+    (64 * _K, (256, 256, 8)),
+]
+_TABLES["layer_norm_bwd", 2] = [
+    (1 * _K, (64, 128, 1)),
+    (4 * _K, (256, 256, 1)),
+    (8 * _K, (128, 128, 4)),
+    (16 * _K, (128, 256, 8)),
+    (64 * _K, (256, 256, 16)),
+]
+_TABLES["layer_norm_bwd", 4] = [
+    (1 * _K, (64, 512, 1)),
+    (4 * _K, (256, 512, 1)),
+    (8 * _K, (256, 256, 2)),
+    (16 * _K, (256, 256, 4)),
+    (64 * _K, (512, 512, 8)),
+]
+# Persistent kernels launch one wave of clusters, except for rows up to these lengths,
+# where one CTA per row block measured faster: the float32 norm forwards at n = 1024
+# (+11% RMSNorm, +7% LayerNorm; at 4096 and above, and in bfloat16, one wave was as fast
+# or faster).
+_FULL_GRID_UP_TO = {("rms_norm_fwd", 4): 1 * _K, ("layer_norm_fwd", 4): 1 * _K}
 # Cross-entropy: the forward reduces a row like softmax's forward (reads only); the
 # backward is elementwise, so long rows are split into column blocks of separate CTAs
 # (``cluster_n`` of them, launched without a cluster) of about 32 elements a thread.
@@ -234,8 +270,10 @@ _TABLES["ce_grad", 4] = [
 _MAX_VALUES_PER_THREAD = {
     "softmax_fwd": 128,
     "softmax_bwd": 128,
-    "norm_fwd": 128,
-    "norm_bwd": 128,
+    "rms_norm_fwd": 128,
+    "rms_norm_bwd": 128,
+    "layer_norm_fwd": 128,
+    "layer_norm_bwd": 128,
     "ce_fwd": 128,
     "ce_bwd": 128,
     "ce_grad": 128,
@@ -258,6 +296,12 @@ def _fits(tiling: RowTiling, budget: int, staged_bytes: int | None) -> bool:
     a row block, over all staged inputs) within 2 * STAGE_BYTES of shared memory per block."""
     block = tiling.rows_per_cta * tiling.cols_per_cta * (staged_bytes or 0)
     return tiling.elems_per_thread <= budget and block <= 2 * STAGE_BYTES
+
+
+def one_wave(family: str, n: int, itemsize: int) -> bool:
+    """Whether a persistent kernel of this family launches one wave of clusters (else one
+    CTA per row block: ``_FULL_GRID_UP_TO``)."""
+    return n > _FULL_GRID_UP_TO.get((family, min(itemsize, 4)), 0)
 
 
 _overrides: dict[tuple[str, int, int], RowTiling] = {}

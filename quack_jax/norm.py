@@ -29,6 +29,7 @@ from ._implementation import use_xla
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import RowwisePrimitive, Target, compute_dtype, persistent_call, row_tiling
 from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
+from ._tiling import one_wave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +125,8 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, ou
     _, w, b = _split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
     widest = max(x.dtype.itemsize, avals_out[0].dtype.itemsize)
     staged = x.dtype.itemsize * (1 + flags["residual"])
-    tiling = row_tiling(x, "norm_fwd", widest, forward_live(**flags), staged)
+    family = f"{'rms' if rms else 'layer'}_norm_fwd"
+    tiling = row_tiling(x, family, widest, forward_live(**flags), staged)
     if tiling is None:
         return None
     config = NormForward(
@@ -136,7 +138,8 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, ou
         eps=float(eps),
         offset=float(offset) if w is not None else None,
     )
-    return persistent_call(target, config, x, tiling, lambda ctas: avals_out)
+    wave = one_wave(family, x.shape[-1], x.dtype.itemsize)
+    return persistent_call(target, config, x, tiling, lambda ctas: avals_out, wave)
 
 
 def _forward_batch(operands, dims, **params):
@@ -211,7 +214,8 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
     grads = flags["weight_grad"] + flags["bias_grad"]
     widest = max(dy.dtype.itemsize, h.dtype.itemsize)
     staged = dy.dtype.itemsize + h.dtype.itemsize * (1 + flags["dh"])
-    tiling = row_tiling(h, "norm_bwd", widest, backward_live(**flags), staged)
+    family = f"{'rms' if rms else 'layer'}_norm_bwd"
+    tiling = row_tiling(h, family, widest, backward_live(**flags), staged)
     if tiling is None:
         return None
     config = NormBackward(
@@ -611,7 +615,7 @@ def _benchmark(name: str, rms: bool):
         tuned=[
             Tuned(
                 "fwd",
-                "norm_fwd",
+                f"{name}_fwd",
                 2,
                 quack_fn,
                 lambda *args: args[:-1],
@@ -620,7 +624,13 @@ def _benchmark(name: str, rms: bool):
                 True,
             ),
             Tuned(
-                "bwd", "norm_bwd", 3, backward, backward_operands, lambda: backward_live(**flags), 2
+                "bwd",
+                f"{name}_bwd",
+                3,
+                backward,
+                backward_operands,
+                lambda: backward_live(**flags),
+                2,
             ),
         ],
         columns=[

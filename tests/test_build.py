@@ -21,7 +21,7 @@ import pytest
 
 import quack_jax
 from quack_jax import _cache, _ffi, _registry, bench, build
-from quack_jax._primitive import full_grid
+from quack_jax._primitive import persistent_grid
 from quack_jax._tiling import RowTiling, choose_tiling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -366,13 +366,13 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
 
 @pytest.mark.cutlass
 def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
-    """``_cache.kernels_used`` lists the kernels a lowering takes; inside
-    ``_primitive.full_grid`` a persistent kernel gets one CTA per row block instead of
-    one wave."""
+    """``_cache.kernels_used`` lists the kernels a lowering takes; a persistent kernel
+    gets one wave, or one CTA per row block where its family's rule says so (the float32
+    norm forwards at n = 1024) or inside ``_primitive.persistent_grid(False)``."""
     monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
     x = jnp.zeros((65536, 1024), jnp.bfloat16)
 
-    def grid():
+    def grid(x=x):
         fresh = jax.jit(lambda x: quack_jax.rms_norm(x))  # not JAX's cached lowering
         text = fresh.trace(x).lower(lowering_platforms=("cuda",)).as_text()
         return int(text.split("grid = dense<[", 1)[1].split(",", 1)[0])
@@ -385,9 +385,15 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     assert used == again == outer
     ((op, dtype, tiling, variant),) = used
     assert (op, dtype, variant) == ("rms_norm_fwd", "bfloat16", ())
-    with full_grid():
+    with persistent_grid(one_wave=False):
         assert grid() == 65536 // tiling.rows_per_cta > one_wave
     assert grid() == one_wave
+    with _cache.kernels_used() as used:
+        full = grid(x.astype(jnp.float32))
+    ((_, dtype, tiling, _),) = used
+    assert dtype == "float32" and full == 65536 // tiling.rows_per_cta
+    with persistent_grid(one_wave=True):
+        assert grid(x.astype(jnp.float32)) < full
 
 
 @pytest.mark.cutlass
