@@ -74,7 +74,7 @@ class Tuned:
     prepare: Callable  # the op's arguments -> fn's
     live: Callable[[], int] | None = None  # float32 values per element: the register budget
     staged_rows: int = 0  # row inputs staged in shared memory (persistent kernels)
-    # also time the op's tiling on a grid of one CTA per row block instead of one wave
+    # time the candidates on one wave, and the fastest also on one CTA per row block
     full_grid: bool = False
 
     def candidates(self, n: int, itemsize: int, default: RowTiling | None) -> list[RowTiling]:
