@@ -46,6 +46,7 @@ BENCH_OPS = tuple(bench.benchmarks())
 CASE_MODULES = (
     "test_norm",
     "test_cross_entropy",
+    "test_token_logprobs",
     "test_linear_cross_entropy",
     "test_sharding",
     "test_fuzz",

@@ -10,7 +10,12 @@ registers takes it from there instead, see below) and writes the row's statistic
     loss  = logsum + (1 - smoothing) * (shift - x[label]) + smoothing * (shift - mean(x))
             + z_loss * lse**2,  lse = shift + logsum
 with loss 0 for a row whose label is ``ignore_index`` and NaN for a label outside
-[0, V). With a softcap, x is ``cap * tanh(logits / cap)`` throughout. With ``grad`` the
+[0, V). With a softcap, x is ``cap * tanh(logits / cap)`` throughout; with a temperature
+T, everything above is of z = x / T (the kernels take 1 / T, ``inv_temperature``, and
+scale the exponent: exp((x - max) / T) costs what exp(x - max) does). With ``entropy``
+the row's softmax entropy ``H = lse - sum(p * z)`` is an output too: the sum of
+``p * x`` travels in the same reduction round trip (its -inf logits count 0), and
+``H = logsum - (sum(p * x) - max) / T``. With ``grad`` the
 forward also writes the gradient of ``sum(w * loss)`` for per-row weights w (an input),
 from the row still in registers, by the backward's formula below with
 ``a = w * (1 + 2 * z_loss * lse)``, ``b = w * (1 - smoothing)``, ``c = w * smoothing / V``.
@@ -22,10 +27,11 @@ read of the logits and one write of their gradient. The caller folds the cotange
 options into three per-row coefficients (a for the softmax, b for the one-hot, c for the
 uniform smoothing term; all 0 on ignored rows, c NaN where an out-of-range label has a
 cotangent):
-    dx = a * exp((x - shift) - logsum) - b * [j == label] - c
-times ``1 - (x / cap)**2`` with a softcap. A zero ``a`` drops the softmax term, so an
-ignored row's gradient is 0 even where its logits are NaN. Column blocks of a long row
-go to separate CTAs (no cluster).
+    dx = (a * p + d * p * u - b * [j == label] - c) / T,  u = z - shift,  p = exp(u - logsum)
+times ``1 - (x / cap)**2`` with a softcap; the term in d (the entropy's cotangent, with
+``entropy``) is 0 where p is. A zero ``a`` drops the softmax term, so an ignored row's
+gradient is 0 even where its logits are NaN. Column blocks of a long row go to separate
+CTAs (no cluster).
 
 The statistics are the pair (shift, logsum), not their sum lse: ``x - shift`` is exact
 (shift is one of the row's logits) and logsum is small, so the softmax and the loss keep
@@ -57,13 +63,16 @@ class _CrossEntropy(RowKernel):
         return x
 
     @cute.jit
-    def store_gradient(self, cta, x, label, stats, a, b, c, cap, out, pick=False):
-        """Write ``a * exp((x - shift) - logsum) - b * [j == label] - c`` (times the softcap's
-        derivative) for this thread's elements of x (softcapped logits); a zero ``a``
-        drops the softmax term, and zero coefficients give a zero row. With ``pick``,
-        returns whether this thread holds column ``label`` and x there if so (taken in the
-        same pass over the elements, from registers)."""
+    def store_gradient(self, cta, x, label, stats, coefficients, inv_t, cap, out, pick=False):
+        """Write ``(a * p + d * p * u - b * [j == label] - c) / T`` (times the softcap's
+        derivative) for this thread's elements of x (softcapped logits), with
+        ``u = x / T - shift``, ``p = exp(u - logsum)`` and ``coefficients`` (a, b, c, d),
+        d None without the entropy term; a zero ``a`` drops the softmax term, and zero
+        coefficients give a zero row. With ``pick``, returns whether this thread holds
+        column ``label`` and x there if so (taken in the same pass over the elements,
+        from registers)."""
         shift, logsum = stats
+        a, b, c, d = (v if v is None else v * inv_t for v in coefficients)
         log2sum = logsum * LOG2_E
         frag = cute.make_rmem_tensor(x.shape, Float32)
         held, target = cutlass.Boolean(False), Float32(0.0)
@@ -75,19 +84,32 @@ class _CrossEntropy(RowKernel):
                 hit = cta.col0 + cta.tXcX[i][1] == label
                 held = held | hit
                 target = cutlass.select_(hit, frag[i], target)
-                e = a * cute.math.exp2((frag[i] - shift) * LOG2_E - log2sum, fastmath=True)
+                u = frag[i] * inv_t - shift
+                e = a * cute.math.exp2(u * LOG2_E - log2sum, fastmath=True)
                 g = cutlass.select_(a == 0.0, Float32(0.0), e) - c
                 frag[i] = cutlass.select_(hit, g - b, g)
         else:
             frag.fill(-c)
-            if a != 0.0:
-                frag.store(a * cute.math.exp2((x - shift) * LOG2_E - log2sum, fastmath=True) - c)
+            u = x * inv_t - shift
+            if const_expr(d is None):
+                if a != 0.0:
+                    frag.store(a * cute.math.exp2(u * LOG2_E - log2sum, fastmath=True) - c)
+            else:
+                weights = cute.make_rmem_tensor(x.shape, Float32)
+                weights.store(a + d * u)
+                frag.store(cute.math.exp2(u * LOG2_E - log2sum, fastmath=True))
+                for i in cutlass.range_constexpr(cute.size(frag)):
+                    p = frag[i]
+                    frag[i] = cutlass.select_(p == 0.0, Float32(0.0), p * weights[i]) - c
             for i in cutlass.range_constexpr(cute.size(frag)):
                 hit = cta.col0 + cta.tXcX[i][1] == label
                 frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])
         if const_expr(self.softcap):
             frag.store(frag.load() * (1.0 - (x * (1.0 / cap)) * (x * (1.0 / cap))))
-            if (a == 0.0) & (b == 0.0) & (c == 0.0):  # a NaN logit must not leak in
+            dead = (a == 0.0) & (b == 0.0) & (c == 0.0)
+            if const_expr(d is not None):
+                dead = dead & (d == 0.0)
+            if dead:  # a NaN logit must not leak in
                 frag.fill(0.0)
         self.store(cta, frag.load(), out)
         return held, target
@@ -96,25 +118,29 @@ class _CrossEntropy(RowKernel):
 class CrossEntropyForward(_CrossEntropy):
     """With ``grad``, also the gradient of ``sum(w * loss)`` for per-row weights w given
     as an input (what "sum" and "mean" give the rows), written from the row still in
-    registers: one read of the logits and one write of their gradient in all."""
+    registers: one read of the logits and one write of their gradient in all. With
+    ``entropy`` (not with ``smoothing`` or ``grad``), also the rows' entropy."""
 
-    def __init__(self, dtype, tiling, *, smoothing=False, softcap=False, grad=False):
-        self.words = 4 if smoothing else 2  # max, sum of exp[, sum of x]: one st.async
+    def __init__(self, dtype, tiling, *, smoothing=False, softcap=False, grad=False, entropy=False):
+        assert not (entropy and (smoothing or grad))
+        # max, sum of exp[, sum of x or of p * x]: one st.async
+        self.words = 4 if smoothing or entropy else 2
         super().__init__(dtype, tiling, softcap=softcap)
-        self.smoothing, self.grad = smoothing, grad
+        self.smoothing, self.grad, self.entropy = smoothing, grad, entropy
 
     def compile_args(self):
         stat = Float32, False
         row_weights = (self.pointer(*stat),) if self.grad else (None,)
         outputs = (self.pointer(*stat), self.pointer(*stat), self.pointer(*stat))
+        outputs += (self.pointer(*stat),) if self.entropy else (None,)
         outputs += (self.pointer(self.dtype),) if self.grad else (None,)
-        scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0))
+        scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
         labels = self.pointer(Int32, False)
         return (self.pointer(self.dtype), labels, *row_weights, *outputs, *scalars)
 
     def row_loss(self, ploss, m, row, stats, total, ignored, outside, target, smoothing, z_loss):
         """Write the loss of ``row`` from its statistics, the target logit and the sum of its
-        logits."""
+        logits (both of z)."""
         n = self.tiling.n
         shift, logsum = stats
         lse = shift + logsum
@@ -134,16 +160,31 @@ class CrossEntropyForward(_CrossEntropy):
         ploss,
         pshift,
         plogsum,
+        pentropy,
         pdx,
         m: Int32,
         ignore_index: Int32,
         smoothing,
         z_loss,
         cap,
+        inv_temperature,
         stream: cuda.CUstream,
     ):
         self.kernel(
-            px, plabels, pw, ploss, pshift, plogsum, pdx, m, ignore_index, smoothing, z_loss, cap
+            px,
+            plabels,
+            pw,
+            ploss,
+            pshift,
+            plogsum,
+            pentropy,
+            pdx,
+            m,
+            ignore_index,
+            smoothing,
+            z_loss,
+            cap,
+            inv_temperature,
         ).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
@@ -155,28 +196,42 @@ class CrossEntropyForward(_CrossEntropy):
         ploss,
         pshift,
         plogsum,
+        pentropy,
         pdx,
         m: Int32,
         ignore_index: Int32,
         smoothing,
         z_loss,
         cap,
+        inv_temperature,
     ):
         n = self.tiling.n
+        inv_t = inv_temperature
         cta, reduction = self.setup(m, [px], [pdx] if const_expr(self.grad) else [])
         (x,) = self.load(cta, (-float("inf"),))
         if const_expr(self.softcap):
             x = self.fill_outside(cta, self.capped(x, cap), -float("inf"))
-        t = self.fill_outside(cta, x) if const_expr(self.smoothing) else None
+        t = None
+        if const_expr(self.smoothing):
+            t = self.fill_outside(cta, x)
+        if const_expr(self.entropy):  # p * x, with the -inf logits (p = 0) counting 0
+            finite = cute.make_rmem_tensor(x.shape, Float32)
+            finite.store(x)
+            for i in cutlass.range_constexpr(cute.size(finite)):
+                finite[i] = cutlass.select_(finite[i] == -Float32.inf, Float32(0.0), finite[i])
+            t = finite.load()
         row_max, row_sum, _, total = self.row_softmax(
-            x, reduction, t=t, t_times_e=False, shift=finite_or_zero_inf
+            x, reduction, t=t, t_times_e=self.entropy, shift=finite_or_zero_inf, scale=inv_t
         )
-        stats = finite_or_zero_inf(row_max), cute.math.log2(row_sum, fastmath=True) * LN_2
+        top = finite_or_zero_inf(row_max)
+        stats = top * inv_t, cute.math.log2(row_sum, fastmath=True) * LN_2
         lse = stats[0] + stats[1]
         label = Int32(ignore_index)
         if cta.in_rows:
             label = per_row(plabels, m)[cta.row]
         ignored, outside = label == ignore_index, (label < 0) | (label >= n)
+        if const_expr(self.smoothing):
+            total = total * inv_t
         row_loss = functools.partial(
             self.row_loss, ploss, m, cta.row, stats, total, ignored, outside
         )
@@ -196,9 +251,12 @@ class CrossEntropyForward(_CrossEntropy):
             target = Float32(row[0].to(Float32))
             if const_expr(self.softcap):
                 target = cute.math.tanh(target * (1.0 / cap)) * cap
-            row_loss(target, smoothing, z_loss)
+            row_loss(target * inv_t, smoothing, z_loss)
             for p, value in zip((pshift, plogsum), stats, strict=True):
                 per_row(p, m)[cta.row] = value
+            if const_expr(self.entropy):
+                h = stats[1] - inv_t * (total * cute.arch.rcp_approx(row_sum) - top)
+                per_row(pentropy, m)[cta.row] = h  # of every row, ignored ones too
         if const_expr(self.grad):
             w = self.load_stat(cta, pw, m)
             w = cutlass.select_(ignored, Float32(0.0), w)
@@ -208,43 +266,68 @@ class CrossEntropyForward(_CrossEntropy):
             a = cutlass.select_(w == 0.0, Float32(0.0), w * (1.0 + zterm))  # lse may be NaN
             # the target logit comes from registers: other threads may have overwritten
             # the row in memory by now
+            coefficients = (a, w * (1.0 - smoothing), c, None)
             held, target = self.store_gradient(
-                cta, x, label, stats, a, w * (1.0 - smoothing), c, cap, cta.destinations[0], True
+                cta, x, label, stats, coefficients, inv_t, cap, cta.destinations[0], True
             )
             if cta.in_rows and cutlass.select_(outside, cta.first_col, held):
-                row_loss(target, smoothing, z_loss)
+                row_loss(target * inv_t, smoothing, z_loss)
 
 
 class CrossEntropyBackward(_CrossEntropy):
-    def __init__(self, dtype, tiling, *, softcap=False):
+    """With ``entropy``, also the entropy's term: a fourth coefficient d per row."""
+
+    def __init__(self, dtype, tiling, *, softcap=False, entropy=False):
         super().__init__(dtype, tiling, softcap=softcap)
+        self.entropy = entropy
         self.smem_bytes = 0  # no reduction
 
     def compile_args(self):
         stats = tuple(self.pointer(Float32, row=False) for _ in range(5))
+        d = (self.pointer(Float32, row=False),) if self.entropy else (None,)
         labels = self.pointer(Int32, row=False)
         x, dx = self.pointer(self.dtype), self.pointer(self.dtype)
-        return (x, labels, *stats, dx, Int32(0), Float32(0.0))
+        return (x, labels, *stats, *d, dx, Int32(0), Float32(0.0), Float32(0.0))
 
     def launch_args(self, m):
         return {**super().launch_args(m), "cluster": None}  # column blocks, no cluster
 
     @cute.jit
     def __call__(
-        self, px, plabels, pshift, plogsum, pa, pb, pc, pdx, m: Int32, cap, stream: cuda.CUstream
+        self,
+        px,
+        plabels,
+        pshift,
+        plogsum,
+        pa,
+        pb,
+        pc,
+        pd,
+        pdx,
+        m: Int32,
+        cap,
+        inv_temperature,
+        stream: cuda.CUstream,
     ):
-        self.kernel(px, plabels, pshift, plogsum, pa, pb, pc, pdx, m, cap).launch(
-            **self.launch_args(m), stream=stream
-        )
+        self.kernel(
+            px, plabels, pshift, plogsum, pa, pb, pc, pd, pdx, m, cap, inv_temperature
+        ).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
-    def kernel(self, px, plabels, pshift, plogsum, pa, pb, pc, pdx, m: Int32, cap):
+    def kernel(
+        self, px, plabels, pshift, plogsum, pa, pb, pc, pd, pdx, m: Int32, cap, inv_temperature
+    ):
         cta = self.view(m, cute.arch.block_idx()[0], [px], [pdx])
         (x,) = self.load(cta, (0.0,))
         x = self.capped(x, cap)
         label = Int32(-1)
         shift, logsum, a, b, c = (Float32(0.0),) * 5
+        d = Float32(0.0) if const_expr(self.entropy) else None
         if cta.in_rows:
             label = per_row(plabels, m)[cta.row]
             shift, logsum, a, b, c = (per_row(p, m)[cta.row] for p in (pshift, plogsum, pa, pb, pc))
-        self.store_gradient(cta, x, label, (shift, logsum), a, b, c, cap, cta.destinations[0])
+            if const_expr(self.entropy):
+                d = per_row(pd, m)[cta.row]
+        self.store_gradient(
+            cta, x, label, (shift, logsum), (a, b, c, d), inv_temperature, cap, cta.destinations[0]
+        )

@@ -464,24 +464,28 @@ class RowKernel:
         t=None,
         t_times_e: bool = True,
         shift=None,
+        scale=None,
     ):
-        """Row statistics of softmax(x) in one reduction round trip.
+        """Row statistics of softmax(x) (of softmax(scale * x) with a positive ``scale``)
+        in one reduction round trip.
 
-        Returns (m, s, e, w): the row max m, s = sum(exp(x - m)), this thread's
-        e = exp(x - m), and with a second operand t also w = sum(t * e), or sum(t) when
-        ``t_times_e`` is false (None without t). Each warp reduces against its own max;
-        the partials are rescaled to the row max when combined. An all -inf row gives
+        Returns (m, s, e, w): the row max m of x, s = sum(exp(scale * (x - m))), this
+        thread's e = exp(scale * (x - m)), and with a second operand t also
+        w = sum(t * e), or sum(t) when ``t_times_e`` is false (None without t). Each warp
+        reduces against its own max; the partials are rescaled to the row max when
+        combined. An all -inf row gives
         m = -inf and s = 0, so softmax of it is NaN as in ``jax.nn.softmax``; a NaN or
         +inf anywhere makes s NaN. ``shift(m)`` is what exp is taken relative to
         (default ``finite_or_zero``; ``finite_or_zero_inf`` also shifts a +inf max by 0,
         so that s is +inf rather than NaN and ``shift(m) + log(s)`` is logsumexp's +inf).
         """
         shift = finite_or_zero if const_expr(shift is None) else shift
+        log2_scale = LOG2_E if const_expr(scale is None) else LOG2_E * scale
         m = self.row_group_reduce(
             x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
             cute.arch.fmax,
         )
-        e = cute.math.exp2((x - shift(m)) * LOG2_E, fastmath=True)
+        e = cute.math.exp2((x - shift(m)) * log2_scale, fastmath=True)
         s = self.row_group_reduce(
             e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
         )
@@ -506,7 +510,7 @@ class RowKernel:
             scales = cute.make_rmem_tensor(cute.size(ms), Float32)
             s_row = Float32(0.0)
             for i in cutlass.range_constexpr(cute.size(ms)):
-                scales[i] = cute.math.exp2((ms[i] - base) * LOG2_E, fastmath=True)
+                scales[i] = cute.math.exp2((ms[i] - base) * log2_scale, fastmath=True)
                 s_row += ss[i] * scales[i]
             s = cute.arch.warp_reduction(s_row, operator.add)
             if const_expr(t is not None):
@@ -518,7 +522,7 @@ class RowKernel:
                     ws.load().reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
                     operator.add,
                 )
-            e = e * cute.math.exp2((m - base) * LOG2_E, fastmath=True)
+            e = e * cute.math.exp2((m - base) * log2_scale, fastmath=True)
             m = m_row
         return m, s, e, w
 

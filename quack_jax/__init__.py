@@ -7,7 +7,11 @@ reference with the same semantics.
 
 from . import _ffi, export
 from ._cache import MissingKernelError
-from .cross_entropy import cross_entropy, softmax_cross_entropy_with_integer_labels
+from .cross_entropy import (
+    cross_entropy,
+    softmax_cross_entropy_with_integer_labels,
+    token_logprobs,
+)
 from .linear_cross_entropy import linear_cross_entropy
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
@@ -26,4 +30,5 @@ __all__ = [
     "rms_norm",
     "softmax",
     "softmax_cross_entropy_with_integer_labels",
+    "token_logprobs",
 ]

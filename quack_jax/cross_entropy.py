@@ -49,6 +49,18 @@ def _capped(logits, softcap):
     return x if softcap is None else softcap * jnp.tanh(x / softcap)
 
 
+def _tempered(logits, softcap, temperature):
+    """z: the (softcapped) logits over the temperature, and the softcapped logits."""
+    x = _capped(logits, softcap)
+    return (x if temperature == 1.0 else x / temperature), x
+
+
+def _masked_sum(p, values, row=WHOLE):
+    """sum(p * values) over the row, where terms with p = 0 count 0 (-inf logits; the
+    select comes first, so that autodiff sees no 0 * inf either)."""
+    return row.sum(p * jnp.where(p > 0, values, 0.0))[..., 0]
+
+
 def _row_stat(x):
     return role_aval(x, STAT, compute_dtype(x.dtype))
 
@@ -62,16 +74,22 @@ def _row_stats(x):
     return shift, jnp.log(jnp.sum(jnp.exp(x - shift[..., None]), axis=-1))
 
 
-def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0):
-    """The backward's per-row coefficients (see kernels/cross_entropy.py) for cotangents
-    g of the loss and g_lse of lse."""
+def _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, g, g_lse=0.0, entropy=None):
+    """The backward's per-row coefficients a, b, c (see kernels/cross_entropy.py) for
+    cotangents g of the loss and g_lse of lse; with ``entropy`` = (g_h, logsum, h), the
+    cotangent g_h of the entropy h, also d (a, b, c, d)."""
     ignored = labels == ignore_index
     outside = ~ignored & ((labels < 0) | (labels >= n))
     g = jnp.where(ignored, 0.0, g)
     a = g + g_lse + (jnp.where(g == 0, 0.0, 2.0 * z_loss * g * lse) if z_loss else 0.0)
     b = g * (1.0 - smoothing)
     c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
-    return a, b, c
+    if entropy is None:
+        return a, b, c
+    # dh/dz = -p * (u - (logsum - h)), u = z - shift
+    g_h, logsum, h = entropy
+    g_h = jnp.where(ignored, 0.0, g_h)
+    return a + jnp.where(g_h == 0, 0.0, g_h * (logsum - h)), b, c, -g_h
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +101,12 @@ class CrossEntropyForward(KernelConfig):
     smoothing: bool = option(False)
     softcap: bool = option(False)
     grad: bool = option(False)
+    entropy: bool = option(False)
     ignore_index: int = scalar(-100)
     label_smoothing: float = scalar(0.0, kernel="smoothing")
     z_loss: float = scalar(0.0)
     cap: float = scalar(0.0)
+    inv_temperature: float = scalar(1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +116,15 @@ class CrossEntropyBackward(KernelConfig):
     kernel_class = "cross_entropy:CrossEntropyBackward"
     kernels: ClassVar[dict] = {"cross_entropy_bwd": {}}
     softcap: bool = option(False)
+    entropy: bool = option(False)
     cap: float = scalar(0.0)
+    inv_temperature: float = scalar(1.0)
 
 
-# -- forward: (logits, labels, [w]) -> (loss, shift, logsum, [dlogits]) -------------
-# With ``grad``, dlogits is the gradient of sum(w * loss) for per-row weights w. With
+# -- forward: (logits, labels, [w]) -> (loss, shift, logsum, [entropy], [dlogits]) ---
+# Of z = softcap(logits) / temperature. With ``entropy`` (not with ``grad`` or label
+# smoothing), the rows' softmax entropy, whatever their label. With ``grad``, dlogits is
+# the gradient of sum(w * loss) for per-row weights w. With
 # ``inplace`` (and ``grad``), the kernel writes dlogits over the logits: one buffer for
 # both, for callers whose logits are a temporary (linear_cross_entropy). The reference
 # ignores it (XLA reuses dead buffers itself).
@@ -128,8 +152,8 @@ def _row_loss(shift, logsum, target, mean, labels, n, *, ignore_index, smoothing
 def _rows(logits, labels, cfg):
     """The XLA formulation of the rows' loss and statistics, which JAX can differentiate
     (``implementation="xla"``)."""
-    ignore_index, smoothing, z_loss, softcap = cfg
-    x = _capped(logits, softcap)
+    ignore_index, smoothing, z_loss, softcap, temperature = cfg
+    x, _ = _tempered(logits, softcap, temperature)
     shift, logsum = _row_stats(x)
     loss = _row_loss(
         shift,
@@ -145,41 +169,78 @@ def _rows(logits, labels, cfg):
     return loss.astype(shift.dtype), shift, logsum
 
 
-def _reference_forward(*operands, ignore_index, smoothing, z_loss, softcap, grad, inplace):
+def _entropy(z, shift, logsum, row=WHOLE):
+    """The rows' softmax entropy ``lse - sum(p * z)`` from their statistics, computed as
+    ``logsum - sum(p * (z - shift))`` (the terms of -inf logits count 0)."""
+    p = jnp.exp((z - shift[..., None]) - logsum[..., None])
+    return logsum - _masked_sum(p, z - shift[..., None], row)
+
+
+def _reference_forward(
+    *operands, ignore_index, smoothing, z_loss, softcap, temperature, entropy, grad, inplace
+):
     logits, labels = operands[:2]
-    loss, shift, logsum = _rows(logits, labels, (ignore_index, smoothing, z_loss, softcap))
+    cfg = (ignore_index, smoothing, z_loss, softcap, temperature)
+    loss, shift, logsum = _rows(logits, labels, cfg)
     n = logits.shape[-1]
     outs = [loss, shift, logsum]
+    if entropy:
+        outs.append(_entropy(_tempered(logits, softcap, temperature)[0], shift, logsum))
     if grad:
         lse = shift + logsum
         a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, operands[2])
         outs += _reference_backward(
-            logits, labels, shift, logsum, a, b, c, softcap=softcap, inplace=inplace
+            logits,
+            labels,
+            shift,
+            logsum,
+            a,
+            b,
+            c,
+            softcap=softcap,
+            temperature=temperature,
+            entropy=False,
+            inplace=inplace,
         )
     return outs
 
 
-def _forward_abstract(x, *_, grad, **__):
-    return [_row_stat(x)] * 3 + [x.update(weak_type=False)] * grad
+def _forward_abstract(x, *_, entropy, grad, **__):
+    return [_row_stat(x)] * (3 + entropy) + [x.update(weak_type=False)] * grad
 
 
 def _forward_kernel(
-    target: Target, avals_in, avals_out, *, ignore_index, smoothing, z_loss, softcap, grad, inplace
+    target: Target,
+    avals_in,
+    avals_out,
+    *,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    temperature,
+    entropy,
+    grad,
+    inplace,
 ):
     x = avals_in[0]
-    tiling = row_tiling(x, "ce_grad" if grad else "ce_fwd", live=1 + bool(smoothing))
+    live = 1 + bool(smoothing or entropy)
+    tiling = row_tiling(x, "ce_grad" if grad else "ce_fwd", live=live)
     if tiling is None:
         return None
     config = CrossEntropyForward(
         smoothing=bool(smoothing),
         softcap=softcap is not None,
         grad=grad,
+        entropy=entropy,
         ignore_index=int(ignore_index),
         label_smoothing=float(smoothing),
         z_loss=float(z_loss),
         cap=float(softcap or 0.0),
+        inv_temperature=1.0 / temperature,
     )
-    return kernel_call(target, config, x, tiling, avals_out, aliases={0: 3} if inplace else None)
+    aliases = {0: 3 + entropy} if inplace else None
+    return kernel_call(target, config, x, tiling, avals_out, aliases=aliases)
 
 
 _forward = RowwisePrimitive(
@@ -187,33 +248,50 @@ _forward = RowwisePrimitive(
     kernel=_forward_kernel,
     reference=_reference_forward,
     abstract=_forward_abstract,
-    roles=lambda *, grad, **_: ((ROWS, STAT) + (STAT,) * grad, (STAT,) * 3 + (ROWS,) * grad),
+    roles=lambda *, entropy, grad, **_: (
+        (ROWS, STAT) + (STAT,) * grad,
+        (STAT,) * (3 + entropy) + (ROWS,) * grad,
+    ),
     split=lambda *args, **params: _forward_split(*args, **params),
 )
 
 
-# -- backward: (logits, labels, shift, logsum, a, b, c) -> dlogits --------------------
-# ``inplace``: dlogits is written over the logits, as in the forward.
+# -- backward: (logits, labels, shift, logsum, a, b, c, [d]) -> dlogits -------------
+# ``entropy``: the coefficient d of the entropy's term. ``inplace``: dlogits is written
+# over the logits, as in the forward.
 
 
-def _reference_backward(logits, labels, shift, logsum, a, b, c, *, softcap, inplace):
-    x = _capped(logits, softcap)
-    p = jnp.exp((x - shift[..., None]) - logsum[..., None])
-    a, b, c = (v[..., None] for v in (a, b, c))
+def _reference_backward(
+    logits, labels, shift, logsum, a, b, c, *d, softcap, temperature, entropy, inplace
+):
+    z, x = _tempered(logits, softcap, temperature)
+    u = z - shift[..., None]
+    p = jnp.exp(u - logsum[..., None])
+    a, b, c, *d = (v[..., None] for v in (a, b, c, *d))
     hit = jnp.arange(x.shape[-1]) == labels[..., None]
     dx = jnp.where(a == 0, 0.0, a * p) - c - jnp.where(hit, b, 0.0)
+    if entropy:
+        dx = dx + jnp.where(p == 0, 0.0, d[0] * p * u)
+    dx = dx / temperature
     if softcap is not None:
-        dead = (a == 0) & (b == 0) & (c == 0)
+        dead = (a == 0) & (b == 0) & (c == 0) & (d[0] == 0 if entropy else True)
         dx = jnp.where(dead, 0.0, dx * (1.0 - (x / softcap) ** 2))
     return [dx.astype(logits.dtype)]
 
 
-def _backward_kernel(target: Target, avals_in, avals_out, *, softcap, inplace):
+def _backward_kernel(
+    target: Target, avals_in, avals_out, *, softcap, temperature, entropy, inplace
+):
     x = avals_in[0]
-    tiling = row_tiling(x, "ce_bwd")
+    tiling = row_tiling(x, "ce_bwd", live=2 + entropy)
     if tiling is None:
         return None
-    config = CrossEntropyBackward(softcap=softcap is not None, cap=float(softcap or 0.0))
+    config = CrossEntropyBackward(
+        softcap=softcap is not None,
+        entropy=entropy,
+        cap=float(softcap or 0.0),
+        inv_temperature=1.0 / temperature,
+    )
     aliases = {0: 0} if inplace else None
     return kernel_call(target, config, x, tiling, avals_out, cluster=False, aliases=aliases)
 
@@ -222,25 +300,38 @@ _backward = RowwisePrimitive(
     "quack_jax_cross_entropy_backward",
     kernel=_backward_kernel,
     reference=_reference_backward,
-    roles=lambda **_: ((ROWS,) + (STAT,) * 6, (ROWS,)),
+    roles=lambda *, entropy, **_: ((ROWS,) + (STAT,) * (6 + entropy), (ROWS,)),
     split=lambda *args, **params: _backward_split(*args, **params),
 )
 
 
-# -- forward mode: (t, logits, labels, shift, logsum) -> (loss tangent, lse tangent) --
-# Linear in t, the logits' tangent; its transpose is the backward kernel. It runs XLA
-# everywhere (a per-row reduction of t against the softmax); on a vocabulary split, over
-# each device's slice with psums (``row``).
+# -- forward mode: (t, logits, labels, shift, logsum, [entropy]) -> (loss tangent, lse
+# tangent, [entropy tangent]). Linear in t, the logits' tangent; its transpose is the
+# backward kernel. It runs XLA everywhere (a per-row reduction of t against the
+# softmax); on a vocabulary split, over each device's slice with psums (``row``).
 
 
 def _reference_tangent(
-    t, logits, labels, shift, logsum, *, ignore_index, smoothing, z_loss, softcap, row=WHOLE
+    t,
+    logits,
+    labels,
+    shift,
+    logsum,
+    *h,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    temperature,
+    entropy,
+    row=WHOLE,
 ):
-    x = _capped(logits, softcap)
-    tx = t.astype(x.dtype)
+    z, x = _tempered(logits, softcap, temperature)
+    tx = t.astype(x.dtype) / temperature
     if softcap is not None:
         tx = tx * (1.0 - (x / softcap) ** 2)
-    p = jnp.exp((x - shift[..., None]) - logsum[..., None])
+    u = z - shift[..., None]
+    p = jnp.exp(u - logsum[..., None])
     t_lse = row.sum(p * tx)[..., 0]
     width = x.shape[-1]
     here = labels - row.start(width)
@@ -253,54 +344,75 @@ def _reference_tangent(
         t_loss = t_loss - smoothing * row.mean(tx)[..., 0]
     inside = (labels >= 0) & (labels < width * row.count)
     t_loss = jnp.where(labels == ignore_index, 0.0, jnp.where(inside, t_loss, jnp.nan))
-    return [t_loss, t_lse]
+    if not entropy:
+        return [t_loss, t_lse]
+    # dh = -sum(p * (u - (logsum - h)) * tz)
+    t_h = -_masked_sum(p, (u - (logsum - h[0])[..., None]) * tx, row)
+    return [t_loss, t_lse, t_h]
 
 
-def _tangent_transpose(cts, t, logits, labels, shift, logsum, *, softcap, **cfg):
+def _tangent_transpose(
+    cts, t, logits, labels, shift, logsum, *h, softcap, temperature, entropy, **cfg
+):
     assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(logits)
-    g_loss, g_lse = (ad.instantiate_zeros(ct) for ct in cts)
+    g_loss, g_lse, *g_h = (ad.instantiate_zeros(ct) for ct in cts)
     n = logits.shape[-1]
     args = (cfg["ignore_index"], cfg["smoothing"], cfg["z_loss"], shift + logsum)
-    a, b, c = _coefficients(labels, n, *args, g_loss, g_lse)
-    (dt,) = _backward.bind(logits, labels, shift, logsum, a, b, c, softcap=softcap, inplace=False)
-    return [dt, None, None, None, None]
+    terms = (g_h[0], logsum, h[0]) if entropy else None
+    coefficients = _coefficients(labels, n, *args, g_loss, g_lse, terms)
+    (dt,) = _backward.bind(
+        logits,
+        labels,
+        shift,
+        logsum,
+        *coefficients,
+        softcap=softcap,
+        temperature=temperature,
+        entropy=entropy,
+        inplace=False,
+    )
+    return [dt] + [None] * (4 + entropy)
 
 
 _tangent = RowwisePrimitive(
     "quack_jax_cross_entropy_tangent",
     kernel=lambda *_, **__: None,
     reference=_reference_tangent,
-    abstract=lambda t, x, *_, **__: [_row_stat(x)] * 2,
+    abstract=lambda t, x, *_, entropy, **__: [_row_stat(x)] * (2 + entropy),
     transpose=_tangent_transpose,
-    roles=lambda **_: ((ROWS, ROWS, STAT, STAT, STAT), (STAT, STAT)),
+    roles=lambda *, entropy, **_: ((ROWS, ROWS) + (STAT,) * (3 + entropy), (STAT,) * (2 + entropy)),
 )
 
 
 # -- a vocabulary split across devices (a tensor-parallel LM head) -------------------
 
 
-def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inplace):
+def _forward_split(
+    row, *, ignore_index, smoothing, z_loss, softcap, temperature, entropy, grad, inplace
+):
     """The forward on one device's slice of the vocabulary (``row``): the slices'
-    statistics combined with pmax and psum, the target logit from the slice that holds
-    it, then the loss. With ``grad``, the gradient comes from the backward kernel on the
-    slice, which needs the combined statistics. For a whole row, the forward kernel
-    alone."""
+    statistics (and entropies) combined with pmax and psum, the target logit from the
+    slice that holds it, then the loss. With ``grad``, the gradient comes from the
+    backward kernel on the slice, which needs the combined statistics. For a whole row,
+    the forward kernel alone."""
     axes = row.axes
+    cfg = (ignore_index, smoothing, z_loss, softcap, temperature)
 
     def local(logits, labels, *weights):
         if not axes:
-            cfg = (ignore_index, smoothing, z_loss, softcap)
-            return _bind_forward(logits, labels, cfg, *weights, inplace=inplace)
+            return _bind_forward(logits, labels, cfg, *weights, entropy=entropy, inplace=inplace)
         width = logits.shape[-1]
         n = width * row.count
         here = labels - row.start(width)
-        _, shift_slice, logsum_slice = _forward.bind(
+        _, shift_slice, logsum_slice, *h_slice = _forward.bind(
             logits,
             jnp.full_like(labels, ignore_index),
             ignore_index=ignore_index,
             smoothing=0.0,
             z_loss=0.0,
             softcap=softcap,
+            temperature=temperature,
+            entropy=entropy,
             grad=False,
             inplace=False,
         )
@@ -308,14 +420,14 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
         # exponentials is rescaled to it
         shift = jax.lax.pmax(shift_slice, axes)
         logsum = jnp.log(jax.lax.psum(jnp.exp(shift_slice - shift + logsum_slice), axes))
-        x = _capped(logits, softcap)
+        z, _ = _tempered(logits, softcap, temperature)
         held = (here >= 0) & (here < width)
-        target = jax.lax.psum(jnp.where(held, _pick(x, here), 0.0), axes)
+        target = jax.lax.psum(jnp.where(held, _pick(z, here), 0.0), axes)
         loss = _row_loss(
             shift,
             logsum,
             target,
-            lambda: row.mean(x)[..., 0],
+            lambda: row.mean(z)[..., 0],
             labels,
             n,
             ignore_index=ignore_index,
@@ -323,24 +435,45 @@ def _forward_split(row, *, ignore_index, smoothing, z_loss, softcap, grad, inpla
             z_loss=z_loss,
         )
         outs = [loss, shift, logsum]
+        if entropy:
+            # h = logsum - sum over slices of their share of p times E_slice[z] - shift
+            share = jnp.exp(shift_slice - shift + logsum_slice - logsum)
+            centre = (shift_slice - shift) + (logsum_slice - h_slice[0])
+            outs.append(logsum - jax.lax.psum(jnp.where(share > 0, share * centre, 0.0), axes))
         if grad:
             lse = shift + logsum
             a, b, c = _coefficients(labels, n, ignore_index, smoothing, z_loss, lse, weights[0])
             outs += _backward.bind(
-                logits, here, shift, logsum, a, b, c, softcap=softcap, inplace=inplace
+                logits,
+                here,
+                shift,
+                logsum,
+                a,
+                b,
+                c,
+                softcap=softcap,
+                temperature=temperature,
+                entropy=False,
+                inplace=inplace,
             )
         return outs
 
     return local
 
 
-def _backward_split(row, *, softcap, inplace):
+def _backward_split(row, *, softcap, temperature, entropy, inplace):
     """The backward on one device's slice: the label's column counted from the slice."""
 
     def local(logits, labels, *stats_and_coefficients):
         here = labels - row.start(logits.shape[-1])
         return _backward.bind(
-            logits, here, *stats_and_coefficients, softcap=softcap, inplace=inplace
+            logits,
+            here,
+            *stats_and_coefficients,
+            softcap=softcap,
+            temperature=temperature,
+            entropy=entropy,
+            inplace=inplace,
         )
 
     return local
@@ -356,9 +489,9 @@ def _backward_split(row, *, softcap, inplace):
 # whose transpose scales it (a multiply by 1 under jax.grad, which XLA removes).
 
 
-def _bind_forward(logits, labels, cfg, *weights, inplace=False):
+def _bind_forward(logits, labels, cfg, *weights, entropy=False, inplace=False):
     """The forward of options ``cfg``; with per-row ``weights``, also the gradient."""
-    ignore_index, smoothing, z_loss, softcap = cfg
+    ignore_index, smoothing, z_loss, softcap, temperature = cfg
     return _forward.bind(
         logits,
         labels,
@@ -367,34 +500,40 @@ def _bind_forward(logits, labels, cfg, *weights, inplace=False):
         smoothing=smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        temperature=temperature,
+        entropy=entropy,
         grad=bool(weights),
         inplace=inplace,
     )
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _per_row(logits, labels, cfg):
-    loss, shift, logsum = _bind_forward(logits, labels, cfg)
-    return loss, shift + logsum
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _per_row(logits, labels, cfg, entropy):
+    """The rows' loss and lse, and with ``entropy`` their softmax entropy."""
+    loss, shift, logsum, *h = _bind_forward(logits, labels, cfg, entropy=entropy)
+    return (loss, shift + logsum, *h)
 
 
 @_per_row.defjvp
-def _per_row_jvp(cfg, primals, tangents):
+def _per_row_jvp(cfg, entropy, primals, tangents):
     logits, labels = primals
-    ignore_index, smoothing, z_loss, softcap = cfg
-    loss, shift, logsum = _bind_forward(logits, labels, cfg)
+    ignore_index, smoothing, z_loss, softcap, temperature = cfg
+    loss, shift, logsum, *h = _bind_forward(logits, labels, cfg, entropy=entropy)
     tangent = _tangent.bind(
         tangents[0],
         logits,
         labels,
         shift,
         logsum,
+        *h,
         ignore_index=ignore_index,
         smoothing=smoothing,
         z_loss=z_loss,
         softcap=softcap,
+        temperature=temperature,
+        entropy=entropy,
     )
-    return (loss, shift + logsum), tuple(tangent)
+    return (loss, shift + logsum, *h), tuple(tangent)
 
 
 def _row_weights(labels, ignore_index, mean: bool):
@@ -443,9 +582,20 @@ def xla_formulation(logits, labels, cfg, reduction, return_lse):
     return finish(loss, shift + logsum, labels, cfg, reduction, return_lse)
 
 
-def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse):
+def checked_temperature(fn, temperature) -> float:
+    """``temperature`` as a Python float, positive, finite and with a finite float32
+    reciprocal (the kernels take 1 / temperature)."""
+    temperature = static_float(fn, "temperature", temperature, positive=True)
+    if temperature < 1.0 / float(np.finfo(np.float32).max):
+        raise ValueError(f"{fn}: temperature must be at least 3e-38, got {temperature}")
+    return temperature
+
+
+def options(
+    fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse, temperature
+):
     """The checked options of a cross-entropy, as ``(ignore_index, label_smoothing,
-    z_loss, logit_softcap)``; errors name ``fn`` and the argument."""
+    z_loss, logit_softcap, temperature)``; errors name ``fn`` and the argument."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(
             f"{fn}: ignore_index must be a Python int, got {type(ignore_index).__name__}"
@@ -461,7 +611,7 @@ def options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap,
         softcap = static_float(fn, "logit_softcap", logit_softcap, positive=True)
     if not isinstance(return_lse, bool):
         raise TypeError(f"{fn}: return_lse must be a bool, got {type(return_lse).__name__}")
-    return (int(ignore_index), smoothing, z_loss, softcap)
+    return (int(ignore_index), smoothing, z_loss, softcap, checked_temperature(fn, temperature))
 
 
 def labels_of(fn: str, labels, shape) -> jax.Array:
@@ -498,13 +648,14 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
+    temperature: float = 1.0,
     return_lse: bool = False,
     implementation: str | None = None,
 ):
     """Softmax cross-entropy with integer labels over the last axis of ``logits``.
 
-    With ``x = logit_softcap * tanh(logits / logit_softcap)`` (or the logits) and
-    ``lse = logsumexp(x)``, the loss of a row is
+    With ``x = logit_softcap * tanh(logits / logit_softcap) / temperature`` (or the
+    logits, over the temperature) and ``lse = logsumexp(x)``, the loss of a row is
     ``lse - (1 - label_smoothing) * x[label] - label_smoothing * mean(x) + z_loss * lse**2``
     (PyTorch's label smoothing; PaLM's z-loss; Gemma 2's softcap).
 
@@ -520,6 +671,8 @@ def cross_entropy(
       label_smoothing: in [0, 1).
       z_loss: coefficient of ``lse**2``, >= 0.
       logit_softcap: None, or a positive cap applied to the logits first.
+      temperature: positive; the (softcapped) logits are divided by it (a sampling
+        temperature; the kernels scale their exponent, at no cost).
       return_lse: also return the per-row lse (of every row, ignored ones too).
       implementation: None (the kernels on a CUDA sm_90 device, the XLA fallback
         elsewhere) or "xla": a plain jnp formulation that JAX differentiates, with no
@@ -542,13 +695,79 @@ def cross_entropy(
     fn = "cross_entropy"
     logits = float_array(fn, "logits", logits)
     labels = labels_of(fn, labels, logits.shape[:-1])
-    cfg = options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse)
+    cfg = options(
+        fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse, temperature
+    )
     if use_xla(fn, implementation):
         return xla_formulation(logits, labels, cfg, reduction, return_lse)
     if reduction != "none" and not return_lse:
         return _reduced(logits, labels, cfg, reduction == "mean")
-    loss, lse = _per_row(logits, labels, cfg)
+    loss, lse = _per_row(logits, labels, cfg, False)
     return finish(loss, lse, labels, cfg, reduction, return_lse)
+
+
+def token_logprobs(
+    logits: jax.Array,
+    labels: jax.Array,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    logit_softcap: float | None = None,
+    ignore_index: int | None = None,
+    implementation: str | None = None,
+):
+    """The log-probability of each row's label under ``softmax(z)``, and with
+    ``return_entropy`` the softmax's entropy, over the last axis: what RL fine-tuning
+    (PPO, GRPO) and distillation read from the vocabulary.
+
+    With ``z = logit_softcap * tanh(logits / logit_softcap) / temperature`` (or the
+    logits over the temperature), ``logp = z[label] - logsumexp(z)`` and
+    ``entropy = logsumexp(z) - sum(softmax(z) * z)``, both from one read of the logits,
+    in float32. ``jax.grad`` of any function of them runs one backward kernel (one read of
+    the logits, one write of their gradient) for the cotangents of both:
+    ``d logp / d logits = (onehot - p) / T`` and ``d entropy / d logits =
+    -p * (z - E_p[z]) / T`` (times the softcap's derivative).
+
+    Args:
+      logits: array (..., V), float32, bfloat16 or float16 (float64 runs the XLA
+        reference).
+      labels: integer array of shape ``logits.shape[:-1]``: the sampled tokens.
+      temperature: positive: the sampling temperature.
+      return_entropy: also return the entropy of each row.
+      logit_softcap: None, or a positive cap applied to the logits first.
+      ignore_index: None (every row counts), or the label of rows to ignore (padding):
+        their logp and entropy are 0, and so are their gradients.
+      implementation: as in :func:`cross_entropy`.
+
+    Returns:
+      logp, float32 of the leading shape (float64 for float64 logits), and with
+      ``return_entropy`` the tuple ``(logp, entropy)``.
+
+    A label outside [0, V) (and not ``ignore_index``) gives a NaN logp for its row (its
+    entropy is still the row's). Logits of -inf (masked vocabulary entries) have p = 0
+    and add 0 to the entropy; a row of only -inf logits gives NaN.
+    """
+    fn = "token_logprobs"
+    logits = float_array(fn, "logits", logits)
+    labels = labels_of(fn, labels, logits.shape[:-1])
+    if ignore_index is None:
+        # no row ignored: negative labels (out of range anyway) go to V, and -1 is the
+        # ignore_index that matches none
+        labels = jnp.where(labels < 0, logits.shape[-1], labels)
+        ignore_index = -1
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"{fn}: return_entropy must be a bool, got {type(return_entropy).__name__}")
+    cfg = options(fn, ignore_index, "none", 0.0, 0.0, logit_softcap, False, temperature)
+    if use_xla(fn, implementation):
+        loss, shift, logsum = _rows(logits, labels, cfg)
+        z, _ = _tempered(logits, softcap=cfg[3], temperature=cfg[4])
+        outs = (-loss, _entropy(z, shift, logsum)) if return_entropy else (-loss,)
+    else:
+        loss, _, *h = _per_row(logits, labels, cfg, return_entropy)
+        outs = (-loss, *h)
+    ignored = labels == ignore_index
+    outs = tuple(jnp.where(ignored, 0.0, v).astype(loss.dtype) for v in outs)
+    return outs if return_entropy else outs[0]
 
 
 def softmax_cross_entropy_with_integer_labels(
@@ -596,11 +815,23 @@ def softmax_cross_entropy_with_integer_labels(
 
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
-    """With each kernel variant (label smoothing or not, softcap or not; ``packaged``:
-    neither), the gradient of the mean loss (one forward kernel that writes the
-    gradient), and the per-row losses and lse under ``jax.vjp`` (forward and backward
-    kernels)."""
+    """cross_entropy: with each kernel variant (label smoothing or not, softcap or not;
+    ``packaged``: neither), the gradient of the mean loss (one forward kernel that writes
+    the gradient), and the per-row losses and lse under ``jax.vjp`` (forward and
+    backward kernels). token_logprobs: under ``jax.vjp``, with the entropy (and
+    ``packaged`` not: without it, and with a softcap)."""
     args = (jax.ShapeDtypeStruct((8, n), dtype), jax.ShapeDtypeStruct((8,), "int32"))
+    if op == "token_logprobs":
+        for entropy in (True,) if packaged else (True, False):
+            for softcap in (None,) if packaged else (None, 30.0):
+                options = dict(return_entropy=entropy, logit_softcap=softcap)
+
+                def rows(x, labels, options=options):
+                    out, vjp = jax.vjp(lambda x: token_logprobs(x, labels, **options), x)
+                    return out, vjp(out)
+
+                yield rows, args
+        return
     for smoothing in (0.0,) if packaged else (0.0, 0.1):
         for softcap in (None,) if packaged else (None, 30.0):
             options = dict(label_smoothing=smoothing, logit_softcap=softcap)
@@ -672,7 +903,7 @@ def _benchmarks():
 
 
 SPEC = OpSpec(
-    ops=("cross_entropy",),
+    ops=("cross_entropy", "token_logprobs"),
     configs=(CrossEntropyForward, CrossEntropyBackward),
     sizes="vocab",
     lowerings=_lowerings,

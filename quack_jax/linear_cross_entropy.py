@@ -141,7 +141,7 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     h, labels = h.reshape(-1, d), labels.reshape(-1)
     per_row = [p.reshape(-1) for p in per_row]
     t, stat = h.shape[0], compute_dtype(linear.dtype)
-    ignore_index, smoothing, z_loss, softcap = ce
+    ignore_index, smoothing, z_loss, softcap, temperature = ce
     grads = _gradient_names(mode, needs)
     vocab = w.shape[0 if linear.transpose else 1]
     shapes = {k: ((t,), stat) for k in _STATS} | {"dh": ((t, d), h.dtype)}
@@ -172,7 +172,9 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
         coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[kept:]]
         inputs = (logits, rows(labels), *map(rows, per_row[:kept]), *coefficients)
         if mode == "backward":
-            (dlogits,) = _backward_split(row, softcap=softcap, inplace=True)(*inputs)
+            (dlogits,) = _backward_split(
+                row, softcap=softcap, temperature=temperature, entropy=False, inplace=True
+            )(*inputs)
         else:
             outs = _forward_split(
                 row,
@@ -180,6 +182,8 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
                 smoothing=smoothing,
                 z_loss=z_loss,
                 softcap=softcap,
+                temperature=temperature,
+                entropy=False,
                 grad=mode == "grad",
                 inplace=mode == "grad",
             )(*inputs)
@@ -426,7 +430,7 @@ def _per_row_backward(cfg: _Config, saved, cotangents):
     lse = shift + logsum
     g_loss, g_lse = (_dense(c, lse) for c in cotangents)
     v = w.shape[0 if cfg.linear.transpose else 1]
-    ignore_index, smoothing, z_loss, _ = cfg.ce
+    ignore_index, smoothing, z_loss, *_ = cfg.ce
     a, b, c = _coefficients(labels, v, ignore_index, smoothing, z_loss, lse, g_loss, g_lse)
     grads = _bind(cfg, "backward", needs, h, w, bias, labels, shift, logsum, a, b, c)
     return _gradients(cfg, needs, grads)
@@ -498,6 +502,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
+    temperature: float = 1.0,
     return_lse: bool = False,
     chunk_size: int | None = None,
     precision: Any = None,
@@ -520,8 +525,8 @@ def linear_cross_entropy(
       labels: integer array of shape ``h.shape[:-1]``.
       bias: None, or (V,) of the weight's dtype, added to the logits.
       transpose_weight: whether ``weight`` is (V, d).
-      ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse: as
-        in :func:`quack_jax.cross_entropy`.
+      ignore_index, reduction, label_smoothing, z_loss, logit_softcap, temperature,
+        return_lse: as in :func:`quack_jax.cross_entropy`.
       chunk_size: the most rows per chunk, a positive int; by default (None) the rows
         whose logits take at most 1 GiB and 1/8 of the free device memory (see
         ``default_chunk``). The rows go in ceil(T / chunk_size) chunks of equal size;
@@ -570,7 +575,9 @@ def linear_cross_entropy(
             )
     labels = labels_of(fn, labels, h.shape[:-1])
     weight, bias = (varying_like(h, v) for v in (weight, bias))
-    ce = options(fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse)
+    ce = options(
+        fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse, temperature
+    )
     dtype = _logits_dtype(fn, preferred_element_type, h.dtype)
     tokens = labels.size
     if chunk_size is None:

@@ -1,0 +1,265 @@
+"""token_logprobs on both backends against a float64 reference (numpy, closed forms):
+logp and the entropy of each row and the gradient of a weighted sum of both, across
+temperatures 0.3, 1 and 2, with and without a softcap, with ignored rows, -inf logits
+(masked vocabulary entries) and labels out of range; special rows (NaN, +inf, all
+-inf), leading dims and vmap, forward mode, the XLA formulation, cross_entropy's
+temperature, and bad input. Inputs are fresh random draws.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import SEED, assert_close, backend_param, backends, run
+
+import quack_jax
+
+TEMPERATURES = (0.3, 1.0, 2.0)
+SOFTCAPS = (None, 20.0)
+IGNORE = -100
+SHAPES = {
+    "cpu": [(0, 7), (1, 2), (7, 1000), (5, 4097)],
+    "gpu": [(0, 1000), (1, 1000), (7, 32000), (300, 4097), (64, 151936), (16, 262144)],
+}
+DTYPES = ("float32", "bfloat16", "float16")
+CASES = [
+    backend_param(backend, m, n, dtype, k)
+    for backend in ("cpu", "gpu")
+    for k, ((m, n), dtype) in enumerate(itertools.product(SHAPES[backend], DTYPES))
+]
+
+
+def options(k):
+    """The k-th mix of temperature and softcap (every mix appears across the cases)."""
+    temperature, softcap = list(itertools.product(TEMPERATURES, SOFTCAPS))[k % 6]
+    return dict(temperature=temperature, logit_softcap=softcap)
+
+
+def draw(m, n, dtype, k):
+    """Logits (scale 4, a tenth of each row's columns -inf in every third row) and
+    labels: a fifth ignored, some outside [0, n), some on a -inf column."""
+    rng = np.random.default_rng([SEED, m, n, k])
+    x = (4 * rng.standard_normal((m, n))).astype(np.float32)
+    masked = rng.random((m, n)) < 0.1
+    masked[1::3] = False
+    x[masked] = -np.inf
+    labels = rng.integers(0, n, m)
+    pick = rng.random(m)
+    labels[pick < 0.2] = IGNORE
+    labels[(pick >= 0.2) & (pick < 0.3)] = n + 3
+    labels[(pick >= 0.3) & (pick < 0.35)] = -1
+    return jnp.asarray(x, dtype), jnp.asarray(labels, jnp.int32)
+
+
+def reference(x, labels, g_logp, g_h, temperature, logit_softcap, ignore=IGNORE):
+    """float64 logp and entropy (0 on ignored rows, logp NaN for labels outside), the
+    gradient of ``sum(g_logp * logp + g_h * entropy)`` (a row whose logp is NaN and
+    has a cotangent is NaN), and the magnitudes of their terms."""
+    x = np.asarray(x, np.float64)
+    labels = np.asarray(labels)
+    n = x.shape[-1]
+    capped = x if logit_softcap is None else logit_softcap * np.tanh(x / logit_softcap)
+    z = capped / temperature
+    top = np.max(z, axis=-1, keepdims=True, initial=-np.inf)
+    top = np.where(np.isfinite(top), top, 0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = np.log(np.sum(np.exp(z - top), axis=-1)) + top[:, 0]
+        p = np.exp(z - lse[:, None])
+        zp = np.where(p > 0, z, 0.0)
+        mean = np.sum(p * zp, axis=-1)
+        entropy = lse - mean
+        inside = (labels >= 0) & (labels < n)
+        target = np.take_along_axis(z, np.clip(labels, 0, n - 1)[:, None], -1)[:, 0]
+        logp = np.where(inside, target - lse, np.nan)
+        ignored = labels == ignore
+        logp, entropy = (np.where(ignored, 0.0, v) for v in (logp, entropy))
+        g_logp, g_h = (np.where(ignored, 0.0, g) for g in (g_logp, g_h))
+        onehot = np.arange(n) == labels[:, None]
+        dz = g_logp[:, None] * (onehot - p) - g_h[:, None] * p * (zp - mean[:, None])
+        scale = 1.0 / temperature
+        if logit_softcap is not None:
+            scale = scale * (1.0 - (capped / logit_softcap) ** 2)
+        grad = dz * scale
+        grad = np.where((~inside & (g_logp != 0))[:, None], np.nan, grad)
+        # p = exp(z - lse) carries the rounding of z - lse, relative to its size, and
+        # float32's absolute floor: exp's results below its smallest normal may flush to
+        # 0, and the gradient multiplies that error by up to |z - E| / T
+        floor = 100 * np.finfo(np.float32).smallest_normal / 2e-5
+        p_mag = p * (1.0 + np.abs(np.where(p > 0, z - lse[:, None], 0.0))) + floor
+        mag_grad = np.abs(g_logp)[:, None] * (onehot + p_mag) + np.abs(g_h)[:, None] * p_mag * (
+            np.abs(zp) + np.abs(mean)[:, None] + 1.0
+        )
+        mag_grad = mag_grad * np.abs(scale)
+    mag = np.abs(lse) + np.abs(mean) + 1.0
+    return logp, entropy, grad, mag, mag_grad
+
+
+def logprobs_and_grad(opts, ignore_index=IGNORE):
+    def f(x, labels, g_logp, g_h):
+        def total(x):
+            logp, entropy = quack_jax.token_logprobs(
+                x, labels, return_entropy=True, ignore_index=ignore_index, **opts
+            )
+            # rows whose logp is NaN get no cotangent where g_logp is 0
+            terms = jnp.where(g_logp == 0, 0.0, g_logp * logp) + g_h * entropy
+            return jnp.sum(terms), (logp, entropy)
+
+        (_, outs), grad = jax.value_and_grad(total, has_aux=True)(x)
+        return (*outs, grad)
+
+    return f
+
+
+@pytest.mark.parametrize(("backend", "m", "n", "dtype", "k"), CASES)
+def test_logp_entropy_and_their_gradient(backend, m, n, dtype, k):
+    opts = options(k)
+    x, labels = draw(m, n, dtype, k)
+    rng = np.random.default_rng([SEED, k])
+    g_logp = rng.standard_normal(m).astype(np.float32)
+    g_logp[rng.random(m) < 0.3] = 0.0  # some rows' logp unused: their entropy only
+    g_h = rng.standard_normal(m).astype(np.float32)
+    logp, entropy, grad = run(
+        backend, logprobs_and_grad(opts), x, labels, g_logp, g_h, launches=2 * (m > 0)
+    )
+    assert logp.dtype == entropy.dtype == jnp.float32 and grad.dtype == x.dtype
+    want = reference(x, labels, g_logp, g_h, **opts)
+    assert_close(logp, want[0], want[3], "float32", "logp", x=x)
+    assert_close(entropy, want[1], want[3], "float32", "entropy", x=x)
+    assert_close(grad, want[2], want[4], dtype, "gradient", x=x)
+
+
+@pytest.mark.parametrize("temperature", TEMPERATURES)
+@pytest.mark.parametrize("backend", backends())
+def test_special_rows(backend, temperature):
+    """A NaN logit makes the row's logp and entropy NaN, +inf its entropy NaN and its
+    logp -inf (NaN at the +inf column); a row of only -inf gives NaN; -inf logits
+    elsewhere count 0; without ignore_index no row is ignored (-100 is out of range)."""
+    n = 1000
+    x = np.asarray(np.random.default_rng(SEED).standard_normal((5, n)), np.float32)
+    x[0, 3] = np.nan
+    x[1, 5] = np.inf
+    x[2] = -np.inf
+    x[3, ::2] = -np.inf
+    labels = jnp.asarray([1, 2, 3, 1, -100], jnp.int32)
+    f = logprobs_and_grad(dict(temperature=temperature), ignore_index=None)
+    ones = np.ones(5, np.float32)
+    logp, entropy, grad = run(backend, f, jnp.asarray(x), labels, ones, ones, launches=2)
+    want = reference(x, labels, ones, ones, temperature, None, ignore=None)
+    assert_close(logp, want[0], want[3], "float32", "logp")
+    assert_close(entropy, want[1], want[3], "float32", "entropy")
+    assert np.isnan(np.asarray(logp)[[0, 2, 4]]).all() and np.asarray(logp)[1] == -np.inf
+    assert np.isnan(np.asarray(entropy)[:3]).all()
+    assert_close(grad[3], want[2][3], want[4][3], "float32", "gradient")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_leading_dims_vmap_and_forward_mode(backend):
+    x, labels = draw(12, 1000, "float32", 0)
+    x, labels = x.reshape(3, 4, 1000), labels.reshape(3, 4)
+
+    def f(x):
+        return quack_jax.token_logprobs(
+            x, labels, temperature=0.7, return_entropy=True, ignore_index=IGNORE
+        )
+
+    t = jax.random.normal(jax.random.key(SEED), x.shape)
+    (logp, entropy), (t_logp, t_h) = jax.jit(lambda x, t: jax.jvp(f, (x,), (t,)))(x, t)
+    with jax.enable_x64(True):
+        x64, t64 = np.asarray(x, np.float64), np.asarray(t, np.float64)
+
+        def g(x):
+            return quack_jax.token_logprobs(
+                x,
+                labels,
+                temperature=0.7,
+                return_entropy=True,
+                ignore_index=IGNORE,
+                implementation="xla",
+            )
+
+        want, want_t = jax.jvp(g, (x64,), (t64,))
+    for got, ref in zip((logp, entropy), want, strict=True):
+        assert_close(got, ref, np.abs(ref) + 1.0, "float32", "value")
+    # a NaN logp (a label outside) has a NaN tangent here, 0 in XLA's where
+    for got, ref, value in zip((t_logp, t_h), want_t, want, strict=True):
+        ref = np.where(np.isnan(value), np.nan, ref)
+        assert_close(got, ref, np.abs(ref) + 1.0, "float32", "tangent")
+
+    def per_example(x, labels):
+        return quack_jax.token_logprobs(
+            x, labels, temperature=0.7, return_entropy=True, ignore_index=IGNORE
+        )
+
+    rows = jax.jit(jax.vmap(per_example))(x, labels)
+    for got, ref in zip(rows, (logp, entropy), strict=True):
+        assert_close(got, ref, np.abs(ref) + 1.0, "float32", "vmap")
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_cross_entropy_temperature(backend):
+    """cross_entropy's temperature divides the (softcapped) logits: its per-row loss is
+    -token_logprobs, and the mean's gradient (from the forward kernel) matches XLA's."""
+    x, labels = draw(7, 1000, "float32", 1)
+    labels = jnp.where((labels != IGNORE) & ((labels < 0) | (labels >= 1000)), 5, labels)
+    for temperature, cap in itertools.product(TEMPERATURES, SOFTCAPS):
+        opts = dict(temperature=temperature, logit_softcap=cap)
+
+        def mean(x, impl=None, opts=opts):
+            return quack_jax.cross_entropy(x, labels, implementation=impl, **opts)
+
+        loss = quack_jax.cross_entropy(x, labels, reduction="none", **opts)
+        logp = quack_jax.token_logprobs(x, labels, ignore_index=IGNORE, **opts)
+        np.testing.assert_allclose(np.asarray(loss), -np.asarray(logp), rtol=1e-6, atol=1e-6)
+        value, grad = run(backend, jax.value_and_grad(mean), x, launches=1)
+        with jax.enable_x64(True):
+            x64 = np.asarray(x, np.float64)
+            want, want_grad = jax.value_and_grad(lambda x: mean(x, "xla"))(x64)
+        np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
+        assert_close(grad, want_grad, np.abs(want_grad) + 1e-3, "float32", "gradient")
+
+
+BAD = [
+    (dict(temperature=0.0), ValueError, "temperature must be positive and finite"),
+    (dict(temperature=-1.0), ValueError, "temperature must be positive and finite"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be positive and finite"),
+    (dict(temperature=float("nan")), ValueError, "temperature must be positive and finite"),
+    (dict(temperature=1e-40), ValueError, "temperature must be at least 3e-38"),
+    (dict(temperature=jnp.float32(1.0)), TypeError, "temperature must be a Python float"),
+    (dict(return_entropy=1), TypeError, "return_entropy must be a bool"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index must be a Python int"),
+    (dict(logit_softcap=0.0), ValueError, "logit_softcap must be positive"),
+]
+
+
+@pytest.mark.parametrize(("change", "error", "message"), BAD)
+def test_bad_inputs_name_the_argument(change, error, message):
+    x, labels = draw(3, 10, "float32", 0)
+    with pytest.raises(error, match=f"token_logprobs: {message}"):
+        jax.jit(lambda x: quack_jax.token_logprobs(x, labels, **change)).lower(x)
+    with pytest.raises(ValueError, match="labels must have the logits' leading shape"):
+        quack_jax.token_logprobs(x, labels[:2])
+    with pytest.raises(ValueError, match="cross_entropy: temperature must be positive"):
+        quack_jax.cross_entropy(x, labels, temperature=0.0)
+
+
+def prebuild_cases():
+    """(fn, shape-dtype structs) whose lowering builds every kernel the gpu tests launch."""
+    labels = jax.ShapeDtypeStruct((8,), jnp.int32)
+    row = jax.ShapeDtypeStruct((8,), jnp.float32)
+    sizes = {(n, dtype) for _, n in SHAPES["gpu"] for dtype in DTYPES} | {(1000, "float32")}
+    for (n, dtype), softcap in itertools.product(sorted(sizes), SOFTCAPS):
+        args = (jax.ShapeDtypeStruct((8, n), dtype), labels, row, row)
+        yield logprobs_and_grad(dict(logit_softcap=softcap)), args
+        yield logprobs_and_grad(dict(logit_softcap=softcap), ignore_index=None), args
+    for cap in SOFTCAPS:
+        x = jax.ShapeDtypeStruct((8, 1000), "float32")
+        yield (
+            (
+                lambda x, labels, cap=cap: jax.grad(
+                    lambda x: quack_jax.cross_entropy(x, labels, logit_softcap=cap)
+                )(x)
+            ),
+            (x, labels),
+        )
