@@ -94,13 +94,12 @@ class _CrossEntropy(RowKernel):
             if const_expr(d is None):
                 if a != 0.0:
                     frag.store(a * cute.math.exp2(u * LOG2_E - log2sum, fastmath=True) - c)
-            else:
-                weights = cute.make_rmem_tensor(x.shape, Float32)
-                weights.store(a + d * u)
-                frag.store(cute.math.exp2(u * LOG2_E - log2sum, fastmath=True))
+            else:  # element by element, u replaced by its gradient: one fragment live
+                frag.store(u)
                 for i in cutlass.range_constexpr(cute.size(frag)):
-                    p = frag[i]
-                    frag[i] = cutlass.select_(p == 0.0, Float32(0.0), p * weights[i]) - c
+                    p = cute.math.exp2(frag[i] * LOG2_E - log2sum, fastmath=True)
+                    g = cutlass.select_(p == 0.0, Float32(0.0), p * (a + d * frag[i]))
+                    frag[i] = g - c
             for i in cutlass.range_constexpr(cute.size(frag)):
                 hit = cta.col0 + cta.tXcX[i][1] == label
                 frag[i] = cutlass.select_(hit, frag[i] - b, frag[i])

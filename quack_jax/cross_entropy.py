@@ -283,7 +283,7 @@ def _backward_kernel(
     target: Target, avals_in, avals_out, *, softcap, temperature, entropy, inplace
 ):
     x = avals_in[0]
-    tiling = row_tiling(x, "ce_bwd", live=2 + entropy)
+    tiling = row_tiling(x, "ce_bwd")
     if tiling is None:
         return None
     config = CrossEntropyBackward(

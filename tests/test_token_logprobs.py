@@ -253,13 +253,14 @@ def prebuild_cases():
         args = (jax.ShapeDtypeStruct((8, n), dtype), labels, row, row)
         yield logprobs_and_grad(dict(logit_softcap=softcap)), args
         yield logprobs_and_grad(dict(logit_softcap=softcap), ignore_index=None), args
+    x = jax.ShapeDtypeStruct((8, 1000), "float32")
     for cap in SOFTCAPS:
-        x = jax.ShapeDtypeStruct((8, 1000), "float32")
-        yield (
-            (
-                lambda x, labels, cap=cap: jax.grad(
-                    lambda x: quack_jax.cross_entropy(x, labels, logit_softcap=cap)
-                )(x)
-            ),
-            (x, labels),
-        )
+
+        def mean_grad(x, labels, cap=cap):
+            return jax.grad(lambda x: quack_jax.cross_entropy(x, labels, logit_softcap=cap))(x)
+
+        def per_row(x, labels, cap=cap):
+            return quack_jax.cross_entropy(x, labels, logit_softcap=cap, reduction="none")
+
+        yield mean_grad, (x, labels)
+        yield per_row, (x, labels)
