@@ -7,7 +7,7 @@ forward, and forward plus backward (jax.vjp), on the shapes of the project's anc
     python -m quack_jax.bench --latency        # microseconds per op at small and decode shapes
 
 Ops (--ops): the benchmarks each op family declares in its SPEC (softmax, rms_norm,
-layer_norm, cross_entropy); each writes <op>.md, <op>.json and, with matplotlib
+layer_norm, cross_entropy, token_logprobs); each writes <op>.md, <op>.json and, with matplotlib
 installed, <op>.png to --out. Without a GPU that runs quack_jax's kernels, quack_jax runs
 its XLA fallback: the tables then compare XLA with XLA and show no speedups, and the full
 shapes, sized for a GPU, take about two hours on a 2-core CPU.
@@ -31,6 +31,11 @@ byte size. TB/s counts the bytes the op must move at least, e being x's element 
   logits); forward+backward, jax.grad of the mean loss w.r.t. the logits, 2*M*N*e
   (read the logits, write their gradient: quack_jax's one forward kernel that also writes
   the gradient moves exactly that). XLA is optax's formulation in float32.
+- token_logprobs with the entropy at temperature 0.7, labels uniform in [0, N): forward
+  M*N*e (read the logits); forward+backward, jax.vjp with cotangents for logp and the
+  entropy, 3*M*N*e (the forward's read, the backward's read and write). XLA is
+  log_softmax of logits / T in float32, a gather and -sum(p * logp); beside it,
+  cross_entropy's per-row losses at the same temperature (the same passes).
 - rms_norm, layer_norm, with a float32 weight (and bias) of shape (N,) and y in x's dtype:
   forward 2*M*N*e; forward+backward, jax.vjp w.r.t. x, weight and bias that also
   returns y, 5*M*N*e (the forward reads x and writes y, the backward reads x and dy and
@@ -541,6 +546,8 @@ def main(argv=None):
             for m, n in grid
             if not args.sizes or n in args.sizes
         ]
+        if not shapes:  # e.g. --latency of an op without latency shapes
+            continue
         if args.latency:
             rows = bench_latency(op, shapes, args.reps)
         else:

@@ -749,25 +749,37 @@ def token_logprobs(
     """
     fn = "token_logprobs"
     logits = float_array(fn, "logits", logits)
-    labels = labels_of(fn, labels, logits.shape[:-1])
-    if ignore_index is None:
-        # no row ignored: negative labels (out of range anyway) go to V, and -1 is the
-        # ignore_index that matches none
-        labels = jnp.where(labels < 0, logits.shape[-1], labels)
-        ignore_index = -1
-    if not isinstance(return_entropy, bool):
-        raise TypeError(f"{fn}: return_entropy must be a bool, got {type(return_entropy).__name__}")
-    cfg = options(fn, ignore_index, "none", 0.0, 0.0, logit_softcap, False, temperature)
+    labels, cfg = logprob_options(
+        fn, logits.shape, labels, temperature, return_entropy, logit_softcap, ignore_index
+    )
     if use_xla(fn, implementation):
         loss, shift, logsum = _rows(logits, labels, cfg)
         z, _ = _tempered(logits, softcap=cfg[3], temperature=cfg[4])
-        outs = (-loss, _entropy(z, shift, logsum)) if return_entropy else (-loss,)
+        h = [_entropy(z, shift, logsum)] if return_entropy else []
     else:
         loss, _, *h = _per_row(logits, labels, cfg, return_entropy)
-        outs = (-loss, *h)
-    ignored = labels == ignore_index
-    outs = tuple(jnp.where(ignored, 0.0, v).astype(loss.dtype) for v in outs)
-    return outs if return_entropy else outs[0]
+    return logprob_outputs(loss, h, labels, cfg)
+
+
+def logprob_options(fn, shape, labels, temperature, return_entropy, logit_softcap, ignore_index):
+    """The checked labels (int32 of the leading ``shape``) and options (see ``options``)
+    of a token_logprobs over rows of ``shape[-1]``. With ``ignore_index`` None no row is
+    ignored: negative labels (out of range anyway) go to V, and -1 is the ignore_index,
+    which then matches none."""
+    labels = labels_of(fn, labels, shape[:-1])
+    if ignore_index is None:
+        labels = jnp.where(labels < 0, shape[-1], labels)
+        ignore_index = -1
+    if not isinstance(return_entropy, bool):
+        raise TypeError(f"{fn}: return_entropy must be a bool, got {type(return_entropy).__name__}")
+    return labels, options(fn, ignore_index, "none", 0.0, 0.0, logit_softcap, False, temperature)
+
+
+def logprob_outputs(loss, h, labels, cfg):
+    """logp (-loss), and the entropy if ``h`` holds it, 0 on ignored rows."""
+    ignored = labels == cfg[0]
+    outs = tuple(jnp.where(ignored, 0.0, v).astype(loss.dtype) for v in (-loss, *h))
+    return outs if h else outs[0]
 
 
 def softmax_cross_entropy_with_integer_labels(
@@ -818,12 +830,12 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """cross_entropy: with each kernel variant (label smoothing or not, softcap or not;
     ``packaged``: neither), the gradient of the mean loss (one forward kernel that writes
     the gradient), and the per-row losses and lse under ``jax.vjp`` (forward and
-    backward kernels). token_logprobs: under ``jax.vjp``, with and without the entropy
-    and the softcap (none packaged yet: the wheel's kernels are cross_entropy's)."""
+    backward kernels). token_logprobs: under ``jax.vjp``, with the entropy, without
+    a softcap (``packaged``), or with and without either."""
     args = (jax.ShapeDtypeStruct((8, n), dtype), jax.ShapeDtypeStruct((8,), "int32"))
     if op == "token_logprobs":
-        for entropy in () if packaged else (True, False):
-            for softcap in (None, 30.0):
+        for entropy in (True,) if packaged else (True, False):
+            for softcap in (None,) if packaged else (None, 30.0):
                 options = dict(return_entropy=entropy, logit_softcap=softcap)
 
                 def rows(x, labels, options=options):
@@ -898,8 +910,65 @@ def _benchmarks():
             columns=[*FWD_COLUMNS, *FWD_BWD_COLUMNS, TILINGS],
             footprint=4,
             latency_shapes=Benchmark.latency((32000, 128256, 256000)),  # vocabularies
-        )
+        ),
+        _token_logprobs_benchmark(),
     ]
+
+
+def _token_logprobs_benchmark(temperature=0.7):
+    """token_logprobs with the entropy at a sampling temperature, against the plain-JAX
+    formulation (log_softmax of logits / T, a gather, -sum(p * logp)) and against
+    cross_entropy's per-row losses at the same temperature: forward, and ``jax.vjp``
+    with cotangents for every output. Bytes: forward M*N*e (read the logits),
+    fwd+bwd 3*M*N*e (the forward's read, the backward's read and write)."""
+
+    def quack(logits, labels):
+        return token_logprobs(logits, labels, temperature=temperature, return_entropy=True)
+
+    def xla(logits, labels):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
+        target = jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+        return target, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+    def ce(logits, labels):
+        return cross_entropy(logits, labels, reduction="none", temperature=temperature)
+
+    def vjp(fn):
+        def f(logits, labels, g_logp, g_h):
+            out, pullback = jax.vjp(lambda x: fn(x, labels), logits)
+            return out, pullback((g_logp, g_h) if isinstance(out, tuple) else g_logp)
+
+        return f
+
+    return Benchmark(
+        "token_logprobs",
+        [(8192, 152064), (4096, 256000)],
+        quick_shapes=[(128, 32000)],
+        arguments=lambda m, n, dtype: [
+            ((m, n), dtype),
+            ((m,), "int32", n),
+            ((m,), "float32"),
+            ((m,), "float32"),
+        ],
+        cases=[
+            Case("quack_fwd", "quack_jax fwd", 1, quack, 2, kernel=True),
+            Case("xla_fwd", "XLA fwd", 1, xla, 2),
+            Case("quack_fwd_bwd", "quack_jax fwd+bwd", 3, vjp(quack), kernel=True),
+            Case("xla_fwd_bwd", "XLA fwd+bwd", 3, vjp(xla)),
+            Case("ce_fwd", "cross_entropy fwd", 1, ce, 2, kernel=True),
+            Case("ce_fwd_bwd", "cross_entropy fwd+bwd", 3, vjp(ce), kernel=True),
+        ],
+        tuned=[],
+        columns=[
+            *FWD_COLUMNS,
+            *FWD_BWD_COLUMNS,
+            ("cross_entropy fwd TB/s", "rate", "ce_fwd"),
+            ("cross_entropy fwd+bwd TB/s", "rate", "ce_fwd_bwd"),
+            ("fwd vs cross_entropy", "speedup", "ce_fwd", "quack_fwd"),
+            ("fwd+bwd vs cross_entropy", "speedup", "ce_fwd_bwd", "quack_fwd_bwd"),
+        ],
+        footprint=8,
+    )
 
 
 SPEC = OpSpec(
