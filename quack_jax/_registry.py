@@ -37,9 +37,13 @@ def kernel_configs() -> dict[str, type]:
 
 
 def public_ops(kernel_op: str) -> tuple[str, ...]:
-    """The public ops whose build makes the kernel op: the one it is named after (``rms_norm``
-    for ``rms_norm_fwd``), else every op of its family."""
+    """The public ops whose build may make the kernel op: the one it is named after
+    (``rms_norm`` for ``rms_norm_fwd``) and the family's ops that no kernel is named
+    after (``token_logprobs`` runs cross_entropy's kernels), else every op of its family."""
     for spec in families():
-        if any(kernel_op in config.kernels for config in spec.configs):
-            return tuple(op for op in spec.ops if kernel_op.startswith(op + "_")) or spec.ops
+        kernels = [k for config in spec.configs for k in config.kernels]
+        if kernel_op in kernels:
+            named = [op for op in spec.ops if any(k.startswith(op + "_") for k in kernels)]
+            ops = [op for op in spec.ops if kernel_op.startswith(op + "_") or op not in named]
+            return tuple(ops) or spec.ops
     raise KeyError(f"no op family has a kernel {kernel_op!r}")
