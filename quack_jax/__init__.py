@@ -12,7 +12,7 @@ from .cross_entropy import (
     softmax_cross_entropy_with_integer_labels,
     token_logprobs,
 )
-from .linear_cross_entropy import linear_cross_entropy
+from .linear_cross_entropy import linear_cross_entropy, linear_token_logprobs
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
@@ -26,6 +26,7 @@ __all__ = [
     "export",
     "layer_norm",
     "linear_cross_entropy",
+    "linear_token_logprobs",
     "log_softmax",
     "rms_norm",
     "softmax",

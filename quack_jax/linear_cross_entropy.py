@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 from typing import Any
 
@@ -58,7 +59,10 @@ from .cross_entropy import (
     _row_weights,
     finish,
     labels_of,
+    logprob_options,
+    logprob_outputs,
     options,
+    token_logprobs,
     xla_formulation,
 )
 
@@ -67,8 +71,13 @@ from .cross_entropy import (
 CHUNK_BYTES = 1 << 30
 CHUNK_FREE_FRACTION = 1 / 8
 CHUNK_MULTIPLE = 128
-# the per-row results of the forward: the loss and the row statistics (cross_entropy.py)
+# the per-row results of the forward: the loss and the row statistics (cross_entropy.py),
+# and with ``entropy`` the rows' entropy (linear_token_logprobs)
 _STATS = ("loss", "shift", "logsum")
+
+
+def _stats(entropy: bool) -> tuple[str, ...]:
+    return _STATS + ("entropy",) * entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +139,11 @@ def _gradient_names(mode, needs):
 # -- the chunked computation on one device's block --------------------------------------
 
 
-def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()):
+def _local(*operands, mode, needs, has_bias, linear, ce, entropy, row=WHOLE, data_axes=()):
     """The op on operands whose rows (and, with ``row``, vocabulary slice) are this
     device's; ``data_axes`` are the mesh axes that split the rows, over which dW and the
     bias gradient are summed. Results: [loss, shift, logsum] (the row statistics, see
-    cross_entropy.py; not in "backward"), then the
+    cross_entropy.py) and with ``entropy`` the rows' entropy (not in "backward"), then the
     gradients in ``needs``: dh (h's dtype), dW and db (float32)."""
     h, w, bias, labels, per_row = _unpack(operands, has_bias)
     lead, d = labels.shape, h.shape[-1]
@@ -144,11 +153,12 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     ignore_index, smoothing, z_loss, softcap, temperature = ce
     grads = _gradient_names(mode, needs)
     vocab = w.shape[0 if linear.transpose else 1]
-    shapes = {k: ((t,), stat) for k in _STATS} | {"dh": ((t, d), h.dtype)}
+    stats = _stats(entropy)
+    shapes = {k: ((t,), stat) for k in stats} | {"dh": ((t, d), h.dtype)}
     shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab,), jnp.float32)}
     # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
     # written by the first chunk
-    results = _STATS * (mode != "backward") + ("dh",) * ("dh" in grads)
+    results = stats * (mode != "backward") + ("dh",) * ("dh" in grads)
     carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
     # ceil(t / chunk) chunks of equal size; when that size does not divide t, the last
@@ -173,7 +183,7 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
         inputs = (logits, rows(labels), *map(rows, per_row[:kept]), *coefficients)
         if mode == "backward":
             (dlogits,) = _backward_split(
-                row, softcap=softcap, temperature=temperature, entropy=False, inplace=True
+                row, softcap=softcap, temperature=temperature, entropy=entropy, inplace=True
             )(*inputs)
         else:
             outs = _forward_split(
@@ -183,16 +193,16 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
                 z_loss=z_loss,
                 softcap=softcap,
                 temperature=temperature,
-                entropy=False,
+                entropy=entropy,
                 grad=mode == "grad",
                 inplace=mode == "grad",
             )(*inputs)
             carry = dict(carry)
-            for k, v in zip(_STATS, outs, strict=False):
+            for k, v in zip(stats, outs, strict=False):
                 carry[k] = lax.dynamic_update_slice_in_dim(carry[k], v.astype(stat), start, 0)
             if not grads:
                 return carry
-            (dlogits,) = outs[len(_STATS) :]
+            (dlogits,) = outs[len(stats) :]
         dlogits = dlogits.astype(h.dtype)
         carry = dict(carry)
         if "dh" in grads:
@@ -215,7 +225,7 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
-    outs = [] if mode == "backward" else [carry[k].reshape(lead) for k in _STATS]
+    outs = [] if mode == "backward" else [carry[k].reshape(lead) for k in stats]
     for k in grads:
         outs.append(carry[k].reshape(*lead, d) if k == "dh" else carry[k])
     return outs
@@ -224,13 +234,13 @@ def _local(*operands, mode, needs, has_bias, linear, ce, row=WHOLE, data_axes=()
 # -- partitioning: rows over some mesh axes, the vocabulary over others ------------------
 
 
-def _factors(mode, needs, has_bias, transpose, lead_rank, n_per_row):
+def _factors(mode, needs, has_bias, entropy, transpose, lead_rank, n_per_row):
     """The Shardy factors of each operand and result: b0.. for the rows, d, v."""
     rows = tuple(f"b{i}" for i in range(lead_rank))
     weight = ("v", "d") if transpose else ("d", "v")
     ins = [(*rows, "d"), weight] + [("v",)] * has_bias + [rows] * (1 + n_per_row)
     grad = {"dh": (*rows, "d"), "dw": weight, "db": ("v",)}
-    outs = [] if mode == "backward" else [rows] * len(_STATS)
+    outs = [] if mode == "backward" else [rows] * len(_stats(entropy))
     return ins, outs + [grad[k] for k in _gradient_names(mode, needs)]
 
 
@@ -243,9 +253,8 @@ def _partitioned(params, avals_in, avals_out):
         return whole
     transpose = params["linear"].transpose
     n_per_row = len(avals_in) - 3 - params["has_bias"]
-    ins, outs = _factors(
-        params["mode"], params["needs"], params["has_bias"], transpose, lead_rank, n_per_row
-    )
+    flags = (params[k] for k in ("mode", "needs", "has_bias", "entropy"))
+    ins, outs = _factors(*flags, transpose, lead_rank, n_per_row)
 
     @custom_partitioning
     def op(*operands):
@@ -287,7 +296,7 @@ def _partitioned(params, avals_in, avals_out):
 # -- the primitive ---------------------------------------------------------------------
 
 
-def _abstract(*avals, mode, needs, has_bias, linear, ce):
+def _abstract(*avals, mode, needs, has_bias, linear, ce, entropy):
     h, w, bias, _, _ = _unpack(avals, has_bias)
     stat = role_aval(h, STAT, compute_dtype(linear.dtype))
     grad = {
@@ -296,7 +305,7 @@ def _abstract(*avals, mode, needs, has_bias, linear, ce):
     }
     if bias is not None:
         grad["db"] = bias.update(dtype=np.dtype("float32"), weak_type=False)
-    outs = [] if mode == "backward" else [stat] * len(_STATS)
+    outs = [] if mode == "backward" else [stat] * len(_stats(entropy))
     return outs + [grad[k] for k in _gradient_names(mode, needs)]
 
 
@@ -337,20 +346,28 @@ mlir.register_lowering(_primitive, _lower)
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """The static arguments: the cross-entropy options, the linear map, the reduction and
-    the dtypes the gradients are returned in."""
+    """The static arguments: the cross-entropy options, the linear map, the reduction,
+    the dtypes the gradients are returned in, and whether the rows' entropy is made
+    (linear_token_logprobs)."""
 
     ce: tuple
     linear: Linear
     reduction: str
     weight_dtype: str
     bias_dtype: str | None
+    entropy: bool = False
 
 
 def _bind(cfg: _Config, mode, needs, h, w, bias, labels, *per_row):
     operands = (h, w) + ((bias,) if bias is not None else ()) + (labels, *per_row)
     return _primitive.bind(
-        *operands, mode=mode, needs=needs, has_bias=bias is not None, linear=cfg.linear, ce=cfg.ce
+        *operands,
+        mode=mode,
+        needs=needs,
+        has_bias=bias is not None,
+        linear=cfg.linear,
+        ce=cfg.ce,
+        entropy=cfg.entropy and mode != "grad",
     )
 
 
@@ -408,15 +425,16 @@ _reduced.defvjp(_reduced_forward, _reduced_backward, symbolic_zeros=True)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _per_row(cfg: _Config, h, w, bias, labels):
-    loss, shift, logsum = _bind(cfg, "loss", Needs(False, False, False), h, w, bias, labels)
-    return loss, shift + logsum
+    """The rows' loss and lse, and with ``cfg.entropy`` their entropy."""
+    loss, shift, logsum, *ent = _bind(cfg, "loss", Needs(False, False, False), h, w, bias, labels)
+    return (loss, shift + logsum, *ent)
 
 
 def _per_row_forward(cfg: _Config, h, w, bias, labels):
     needs = _needs(h, w, bias)
     h, w, bias, labels = _values(h, w, bias, labels)
-    loss, shift, logsum = _bind(cfg, "loss", needs, h, w, bias, labels)
-    return (loss, shift + logsum), (needs, h, w, bias, labels, shift, logsum)
+    loss, shift, logsum, *ent = _bind(cfg, "loss", needs, h, w, bias, labels)
+    return (loss, shift + logsum, *ent), (needs, h, w, bias, labels, shift, logsum, ent)
 
 
 def _dense(cotangent, like):
@@ -426,13 +444,15 @@ def _dense(cotangent, like):
 
 
 def _per_row_backward(cfg: _Config, saved, cotangents):
-    needs, h, w, bias, labels, shift, logsum = saved
+    needs, h, w, bias, labels, shift, logsum, ent = saved
     lse = shift + logsum
-    g_loss, g_lse = (_dense(c, lse) for c in cotangents)
+    g_loss, g_lse, *g_ent = (_dense(c, lse) for c in cotangents)
     v = w.shape[0 if cfg.linear.transpose else 1]
     ignore_index, smoothing, z_loss, *_ = cfg.ce
-    a, b, c = _coefficients(labels, v, ignore_index, smoothing, z_loss, lse, g_loss, g_lse)
-    grads = _bind(cfg, "backward", needs, h, w, bias, labels, shift, logsum, a, b, c)
+    terms = (g_ent[0], logsum, ent[0]) if cfg.entropy else None
+    args = (labels, v, ignore_index, smoothing, z_loss, lse, g_loss, g_lse, terms)
+    coefficients = _coefficients(*args)
+    grads = _bind(cfg, "backward", needs, h, w, bias, labels, shift, logsum, *coefficients)
     return _gradients(cfg, needs, grads)
 
 
@@ -545,6 +565,88 @@ def linear_cross_entropy(
       of ``labels``' shape for "none"; with ``return_lse`` the tuple ``(loss, lse)``.
     """
     fn = "linear_cross_entropy"
+    h, weight, bias, linear = _checked(
+        fn, h, weight, bias, transpose_weight, chunk_size, precision, preferred_element_type
+    )
+    labels = labels_of(fn, labels, h.shape[:-1])
+    ce = options(
+        fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse, temperature
+    )
+    bias_dtype = None if bias is None else bias.dtype.name
+    cfg = _Config(ce, linear, reduction, weight.dtype.name, bias_dtype)
+    if use_xla(fn, implementation):
+        return xla_formulation(_logits(h, weight, bias, linear), labels, ce, reduction, return_lse)
+    if reduction != "none" and not return_lse:
+        return _reduced(cfg, h, weight, bias, labels)
+    loss, lse = _per_row(cfg, h, weight, bias, labels)
+    return finish(loss, lse, labels, ce, reduction, return_lse)
+
+
+def linear_token_logprobs(
+    h: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    transpose_weight: bool = False,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    logit_softcap: float | None = None,
+    ignore_index: int | None = None,
+    chunk_size: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    implementation: str | None = None,
+):
+    """``token_logprobs(h @ weight + bias, labels, ...)`` without making the logits: the
+    log-probability of each row's label at ``temperature``, and with ``return_entropy``
+    the entropy, in the chunks of :func:`linear_cross_entropy` (whose per-row path it
+    takes: under ``jax.grad`` the backward makes each chunk's logits again and runs the
+    backward kernel over them for the cotangents of both outputs).
+
+    Args:
+      h, weight, labels, bias, transpose_weight, chunk_size, precision,
+        preferred_element_type: as in :func:`linear_cross_entropy`.
+      temperature, return_entropy, logit_softcap, ignore_index: as in
+        :func:`quack_jax.token_logprobs`.
+      implementation: None, or "xla": the whole logits made by XLA and
+        :func:`quack_jax.token_logprobs`' XLA formulation on them.
+
+    Returns:
+      logp, float32 of ``labels``' shape, and with ``return_entropy`` the tuple
+      ``(logp, entropy)``.
+    """
+    fn = "linear_token_logprobs"
+    h, weight, bias, linear = _checked(
+        fn, h, weight, bias, transpose_weight, chunk_size, precision, preferred_element_type
+    )
+    vocab = weight.shape[0 if transpose_weight else 1]
+    shape = (*h.shape[:-1], vocab)
+    labels, ce = logprob_options(
+        fn, shape, labels, temperature, return_entropy, logit_softcap, ignore_index
+    )
+    if use_xla(fn, implementation):
+        options = dict(temperature=ce[4], logit_softcap=ce[3], ignore_index=ce[0])
+        logits = _logits(h, weight, bias, linear)
+        return token_logprobs(
+            logits, labels, return_entropy=return_entropy, implementation="xla", **options
+        )
+    bias_dtype = None if bias is None else bias.dtype.name
+    cfg = _Config(ce, linear, "none", weight.dtype.name, bias_dtype, return_entropy)
+    loss, _, *ent = _per_row(cfg, h, weight, bias, labels)
+    return logprob_outputs(loss, ent, labels, ce)
+
+
+def _logits(h, weight, bias, linear):
+    """The whole logits ``h @ weight + bias``, made by XLA (``implementation="xla"``)."""
+    d, vocab = h.shape[-1], weight.shape[0 if linear.transpose else 1]
+    return linear.logits(h.reshape(-1, d), weight, bias).reshape(*h.shape[:-1], vocab)
+
+
+def _checked(fn, h, weight, bias, transpose_weight, chunk_size, precision, preferred):
+    """h, the weight and the bias checked (errors name ``fn`` and the argument), the
+    weight and bias marked varying like h, and the linear map (the default chunk from
+    h's rows)."""
     h = float_array(fn, "h", h)
     weight = float_array(fn, "weight", weight)
     if not isinstance(transpose_weight, bool):
@@ -573,13 +675,9 @@ def linear_cross_entropy(
             raise TypeError(
                 f"{fn}: bias must have the weight's dtype {weight.dtype}, got {bias.dtype}"
             )
-    labels = labels_of(fn, labels, h.shape[:-1])
     weight, bias = (varying_like(h, v) for v in (weight, bias))
-    ce = options(
-        fn, ignore_index, reduction, label_smoothing, z_loss, logit_softcap, return_lse, temperature
-    )
-    dtype = _logits_dtype(fn, preferred_element_type, h.dtype)
-    tokens = labels.size
+    dtype = _logits_dtype(fn, preferred, h.dtype)
+    tokens = math.prod(h.shape[:-1])
     if chunk_size is None:
         chunk_size = default_chunk(tokens, vocab, np.dtype(dtype).itemsize)
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
@@ -589,25 +687,13 @@ def linear_cross_entropy(
     elif chunk_size < 1:
         raise ValueError(f"{fn}: chunk_size must be positive, got {chunk_size}")
     linear = Linear(transpose_weight, int(chunk_size), dtype, _precision(fn, precision))
-    cfg = _Config(
-        ce,
-        linear,
-        reduction,
-        weight.dtype.name,
-        None if bias is None else bias.dtype.name,
-    )
-    if use_xla(fn, implementation):
-        logits = linear.logits(h.reshape(-1, d), weight, bias).reshape(*h.shape[:-1], vocab)
-        return xla_formulation(logits, labels, ce, reduction, return_lse)
-    if reduction != "none" and not return_lse:
-        return _reduced(cfg, h, weight, bias, labels)
-    loss, lse = _per_row(cfg, h, weight, bias, labels)
-    return finish(loss, lse, labels, ce, reduction, return_lse)
+    return h, weight, bias, linear
 
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
-    """The value and gradients of the mean loss over two whole chunks and a part, with the
-    weight as (d, V) and as (V, d); ``packaged``: (d, V) only."""
+    """The value and gradients over two whole chunks and a part, with the weight as
+    (d, V) and as (V, d) (``packaged``: (d, V) only): of the mean loss, or of the sum of
+    logp and the entropy (linear_token_logprobs)."""
     t, d, chunk = 300, 64, 128
     h, labels = jax.ShapeDtypeStruct((t, d), dtype), jax.ShapeDtypeStruct((t,), "int32")
     for transpose in (False,) if packaged else (False, True):
@@ -615,9 +701,11 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
 
         def loss(h, w, labels, transpose=transpose):
             def f(h, w):
-                return linear_cross_entropy(
-                    h, w, labels, transpose_weight=transpose, chunk_size=chunk
-                )
+                options = dict(transpose_weight=transpose, chunk_size=chunk)
+                if op == "linear_cross_entropy":
+                    return linear_cross_entropy(h, w, labels, **options)
+                logp, ent = linear_token_logprobs(h, w, labels, return_entropy=True, **options)
+                return jnp.sum(logp + ent)
 
             return jax.value_and_grad(f, argnums=(0, 1))(h, w)
 
@@ -625,7 +713,7 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
 
 
 SPEC = OpSpec(
-    ops=("linear_cross_entropy",),
+    ops=("linear_cross_entropy", "linear_token_logprobs"),
     configs=(),  # the cross-entropy kernels
     sizes="vocab",
     lowerings=_lowerings,

@@ -6,13 +6,14 @@ temperatures 0.3, 1 and 2, with and without a softcap, with ignored rows, -inf l
 temperature, and bad input. Inputs are fresh random draws.
 """
 
+import functools
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import SEED, assert_close, backend_param, backends, run
+from checks import SEED, assert_close, backend_param, backends, key_for, run
 
 import quack_jax
 
@@ -264,3 +265,76 @@ def prebuild_cases():
 
         yield mean_grad, (x, labels)
         yield per_row, (x, labels)
+
+    def linear(h, w, labels):  # test_linear_token_logprobs_matches_the_logits's kernels
+        def total(h, w):
+            logp, ent = quack_jax.linear_token_logprobs(
+                h,
+                w,
+                labels,
+                temperature=0.7,
+                return_entropy=True,
+                logit_softcap=20.0,
+                chunk_size=128,
+                preferred_element_type="float32",
+            )
+            return jnp.sum(logp + ent)
+
+        return jax.grad(total, argnums=(0, 1))(h, w)
+
+    h, w = jax.ShapeDtypeStruct((300, 64), "bfloat16"), jax.ShapeDtypeStruct((64, 1000), "bfloat16")
+    yield linear, (h, w, jax.ShapeDtypeStruct((300,), jnp.int32))
+
+
+@pytest.mark.parametrize("transpose", (False, True))
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [backend_param(b, d) for b in ("cpu", "gpu") for d in ("float32", "bfloat16")],
+)
+def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose):
+    """linear_token_logprobs in chunks (two whole and a part) gives token_logprobs of the
+    whole float32 logits h @ W + bias (its XLA formulation), and the same gradients of
+    h, W and the bias (to the rounding of the inputs' dtype)."""
+    t, d, v = 300, 64, 1000
+    keys = jax.random.split(key_for("linear", dtype, transpose), 4)
+    h = jax.random.normal(keys[0], (t, d), dtype)
+    w = (0.3 * jax.random.normal(keys[1], (v, d) if transpose else (d, v))).astype(dtype)
+    bias = (0.1 * jax.random.normal(keys[2], (v,))).astype(dtype)
+    labels = jax.random.randint(keys[3], (t,), 0, v).at[::7].set(IGNORE)
+    opts = dict(temperature=0.7, return_entropy=True, ignore_index=IGNORE, logit_softcap=20.0)
+    coords = jnp.linspace(0.5, 1.5, t)
+
+    def total(h, w, bias, implementation=None):
+        logp, ent = quack_jax.linear_token_logprobs(
+            h,
+            w,
+            labels,
+            bias=bias,
+            transpose_weight=transpose,
+            chunk_size=128,
+            preferred_element_type="float32",  # bfloat16 logits would differ by ~1e-2
+            implementation=implementation,
+            **opts,
+        )
+        return jnp.sum(coords * logp - ent), (logp, ent)
+
+    grad = jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True)
+    launches = 4 if backend == "gpu" else 0  # forward and backward, in two loop bodies
+    (_, outs), grads = run(backend, grad, h, w, bias, launches=launches)
+    with jax.default_device(jax.devices("cpu")[0]):
+        args = [np.asarray(a) for a in (h, w, bias)]
+        whole = functools.partial(total, implementation="xla")  # the whole logits, in XLA
+        (_, want), want_grads = jax.value_and_grad(whole, argnums=(0, 1, 2), has_aux=True)(*args)
+    names = ("logp", "entropy", "dh", "dW", "db")
+    for got, ref, what in zip((*outs, *grads), (*want, *want_grads), names, strict=True):
+        ref = np.asarray(ref, np.float32)
+        mag = np.abs(ref) + np.max(np.abs(ref))  # dh, dW: sums of terms of either sign
+        assert_close(got, ref, mag, dtype if what[0] == "d" else "float32", what)
+
+
+def test_linear_token_logprobs_bad_input_names_it():
+    h, w = jnp.zeros((4, 8)), jnp.zeros((8, 10))
+    with pytest.raises(ValueError, match="linear_token_logprobs: temperature must be positive"):
+        quack_jax.linear_token_logprobs(h, w, jnp.zeros(4, jnp.int32), temperature=0.0)
+    with pytest.raises(ValueError, match="linear_token_logprobs: weight must have shape"):
+        quack_jax.linear_token_logprobs(h, w.T, jnp.zeros(4, jnp.int32))
