@@ -237,12 +237,20 @@ VOCAB_OPTIONS = {
     "mean": dict(reduction="mean"),
     "rows-lse": dict(reduction="none", return_lse=True),
     "sum-all-options": dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3, logit_softcap=5.0),
+    # token_logprobs: the slices' entropies combine too
+    "token-logprobs": dict(
+        temperature=0.7, return_entropy=True, logit_softcap=5.0, ignore_index=-100
+    ),
 }
 VOCAB_ROWS, VOCAB = 16, 400
 
 
 def vocab_loss(options):
     def loss(x, labels):
+        if options.get("return_entropy"):
+            logp, entropy = quack_jax.token_logprobs(x, labels, **options)
+            weights = 1.0 + 0.5 * jnp.cos(labels)  # per row, sharded as the rows are
+            return jnp.nansum(logp * weights + entropy)
         out = quack_jax.cross_entropy(x, labels, **options)
         return jnp.nansum(out[0] + out[1]) if options.get("return_lse") else jnp.nansum(out)
 
@@ -280,7 +288,7 @@ def test_vocab_parallel_cross_entropy_combines_per_row_statistics(backend, mesh_
     (value, grad), (ref, ref_grad) = jax.device_get(((value, grad), (ref, ref_grad)))
     assert_close(value, ref, np.abs(ref), "float32", f"{options}: loss")
     assert_close(grad, ref_grad, magnitude(ref_grad), "float32", f"{options}: dlogits")
-    if options != "rows-lse":  # there nansum drops row 1's NaN loss and cotangent
+    if options not in ("rows-lse", "token-logprobs"):  # nansum drops row 1's NaN cotangent
         assert np.isnan(grad[1]).all() and (grad[0] == 0).all()
 
 
