@@ -2,9 +2,10 @@
 ``loss = mean CE(h @ W, labels)`` with its gradients for h and W, one jitted
 ``value_and_grad``, bfloat16 h and W (d, V).
 
-    python benchmarks/linear_ce.py --out DIR                      # every shape and variant
+    python benchmarks/linear_ce.py --out DIR                      # every shape, the CE variants
     python benchmarks/linear_ce.py --out DIR --variants fused --chunks 1024 4096
     python benchmarks/linear_ce.py --out DIR --oom                # the out-of-memory row
+    python benchmarks/linear_ce.py --out DIR --variants gemms logprobs_xla logprobs_fused
     python benchmarks/linear_ce.py --out DIR --sharded            # two GPUs, vocab-parallel
 
 Variants (``--variants``):
@@ -17,6 +18,10 @@ Variants (``--variants``):
   tokamax          tokamax.linear_softmax_cross_entropy_loss, implementation "xla"
   tokamax_chunked  the same, implementation "chunked_xla" (its loss is wrong where V is not
                    a multiple of its vocabulary block, 2048: it counts padded zero logits)
+  logprobs_xla     an RL loss instead: ``mean(adv * logp + 0.01 * H)`` of the token
+                   log-probs and entropies at temperature 0.7, in XLA (the logits in
+                   float32, log_softmax of logits / T, a gather, -sum(p * logp))
+  logprobs_fused   the same loss through quack_jax.linear_token_logprobs
 
 Each (shape, variant) runs in a fresh process, so the peak device memory it reports
 (``memory_stats()["peak_bytes_in_use"]``, the inputs included) is its own; the compiled
@@ -59,6 +64,8 @@ SHAPES += [(2 * t, d, v) for t, d, v in SHAPES]
 OOM_SHAPE = (196608, 4096, 152064)
 SHARDED_SHAPES = [(16384, 4096, 128256), (8192, 2304, 256000)]
 VARIANTS = ("gemms", "xla", "unfused", "fused", "tokamax", "tokamax_chunked")
+LOGPROB_VARIANTS = ("logprobs_xla", "logprobs_fused")  # not run unless --variants names them
+TEMPERATURE = 0.7
 MEM_FRACTION = "0.95"
 
 
@@ -78,6 +85,23 @@ def loss_fn(variant: str):
         _, _, chunk = variant.partition("@")
         chunk = int(chunk) if chunk else None
         return lambda h, w, labels: quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk)
+    if variant.startswith("logprobs"):
+
+        def logprobs(h, w, labels):
+            if variant == "logprobs_fused":
+                return quack_jax.linear_token_logprobs(
+                    h, w, labels, temperature=TEMPERATURE, return_entropy=True
+                )
+            logp = jax.nn.log_softmax((h @ w).astype(jnp.float32) / TEMPERATURE, axis=-1)
+            target = jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+            return target, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+        def loss(h, w, labels):
+            logp, entropy = logprobs(h, w, labels)
+            advantage = (labels % 3 - 1).astype(jnp.float32)  # any constant per token
+            return jnp.mean(advantage * logp + 0.01 * entropy)
+
+        return loss
     if variant.startswith("tokamax"):
         import tokamax
 
@@ -314,6 +338,7 @@ def prebuild_cases():
         yield loss_fn("unfused"), specs(t, d, v)
         yield jax.value_and_grad(loss_fn("unfused")), specs(t, d, v)
         yield jax.value_and_grad(loss_fn("fused"), argnums=(0, 1)), specs(t, d, v)
+        yield jax.value_and_grad(loss_fn("logprobs_fused"), argnums=(0, 1)), specs(t, d, v)
     for t, d, v in SHARDED_SHAPES:
         # on two GPUs each chunk's slice of the vocabulary: its lse, then the backward kernel
         def per_row(logits, labels):
@@ -330,7 +355,9 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LOGPROB_VARIANTS
+    )
     parser.add_argument("--chunks", nargs="*", type=int, default=[], help="fused@N rows")
     parser.add_argument("--shapes", nargs="*", type=int, help="T d V triples (default: SHAPES)")
     parser.add_argument("--reps", type=int, default=5)

@@ -877,15 +877,6 @@ def _benchmarks():
         target = jnp.take_along_axis(x, labels[:, None], axis=-1)[:, 0]
         return jnp.mean(jax.nn.logsumexp(x, axis=-1) - target)
 
-    def backward(logits, labels, shift, logsum, coefficient):
-        ab, c = (coefficient, coefficient), jnp.zeros_like(coefficient)
-        stats = (shift, logsum)
-        return _backward.bind(logits, labels, *stats, *ab, c, softcap=None, inplace=False)[0]
-
-    def backward_operands(logits, labels, dy):
-        shift, logsum = _row_stats(logits.astype(jnp.float32))
-        return logits, labels, shift, logsum, jnp.full(shift.shape, 1.0 / shift.size, jnp.float32)
-
     def logits_labels(x, labels, dy):
         return x, labels
 
@@ -903,7 +894,7 @@ def _benchmarks():
             ],
             tuned=[
                 Tuned("fwd", "ce_fwd", 1, quack, logits_labels),
-                Tuned("bwd", "ce_bwd", 2, backward, backward_operands),
+                Tuned("bwd", "ce_bwd", 2, *_tuned_backward(entropy=False)),
                 # the forward that also writes the gradient (a mean loss under jax.grad)
                 Tuned("grad", "ce_grad", 2, jax.grad(quack), logits_labels),
             ],
@@ -913,6 +904,31 @@ def _benchmarks():
         ),
         _token_logprobs_benchmark(),
     ]
+
+
+def _tuned_backward(entropy, temperature=1.0):
+    """The backward kernel alone, for the tuner: the function it times (every
+    coefficient nonzero) and its operands from the benchmark's arguments."""
+
+    def backward(logits, labels, shift, logsum, coefficient):
+        abc = (coefficient, coefficient, coefficient) + (coefficient,) * entropy
+        return _backward.bind(
+            logits,
+            labels,
+            shift,
+            logsum,
+            *abc,
+            softcap=None,
+            temperature=temperature,
+            entropy=entropy,
+            inplace=False,
+        )[0]
+
+    def operands(logits, labels, *_):
+        shift, logsum = _row_stats(logits.astype(jnp.float32) / temperature)
+        return logits, labels, shift, logsum, jnp.full(shift.shape, 1.0 / shift.size, jnp.float32)
+
+    return backward, operands
 
 
 def _token_logprobs_benchmark(temperature=0.7):
@@ -958,7 +974,10 @@ def _token_logprobs_benchmark(temperature=0.7):
             Case("ce_fwd", "cross_entropy fwd", 1, ce, 2, kernel=True),
             Case("ce_fwd_bwd", "cross_entropy fwd+bwd", 3, vjp(ce), kernel=True),
         ],
-        tuned=[],
+        tuned=[
+            Tuned("fwd", "ce_fwd", 1, quack, lambda x, labels, *_: (x, labels), lambda: 2),
+            Tuned("bwd", "ce_bwd", 2, *_tuned_backward(True, temperature)),
+        ],
         columns=[
             *FWD_COLUMNS,
             *FWD_BWD_COLUMNS,

@@ -165,3 +165,17 @@ def test_chained_ops_wait_for_each_other():
     for got, want in zip(compiled(inputs), [fn(*args) for args in inputs], strict=True):
         assert jnp.array_equal(got, want)
     assert 0 < bench.time_compiled([(compiled, inputs)], 1)[0] < 1
+
+
+@pytest.mark.parametrize("name", sorted(bench.benchmarks()))
+def test_every_tuned_kernel_runs_on_its_candidates(name):
+    """What ``--tune`` times, on the XLA fallback at a small shape: each tuned function
+    runs on its prepared operands and gives finite results, and has candidate tilings."""
+    op = bench.benchmarks()[name]
+    n = op.quick_shapes[-1][1]
+    arguments = bench.make_inputs(op.arguments(4, n, "float32"), 1, seed=0)[0]
+    for t in op.tuned:
+        assert t.candidates(n, 4, None), t.name
+        out = jax.jit(t.fn)(*jax.jit(t.prepare)(*arguments))
+        for leaf in jax.tree.leaves(out):
+            assert jnp.all(jnp.isfinite(leaf)), (name, t.name)
