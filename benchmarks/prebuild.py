@@ -146,7 +146,7 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
 def _lower(low: Lowering, arch: str) -> int:
     """Lower one function for CUDA; returns how many kernel launches it holds."""
     with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext():
-        text = lower_fn(low.fn, low.args, arch)
+        text = lower_fn(low.fn, low.args, arch, any_rows=True)
     launches = text.count(f"custom_call @{_ffi.TARGET}")
     if low.needs_kernel and not launches:
         raise RuntimeError(f"{low.label}: lowered for {arch} without a kernel launch")

@@ -1,8 +1,10 @@
 """Cross-entropy over the last axis (the vocabulary) with integer labels.
 
 Forward: one read of the logits, per-row results only. Each thread keeps its slice of
-the row in registers (the CTAs of a cluster share a long row, as in softmax); the row max
-and the sum of exponentials travel together in one reduction round trip, with the sum of
+the row in registers (the CTAs of a cluster share a long row, as in softmax), or on a
+streamed tiling (``RowTiling.group``: long rows) takes it a group of vectors at a time
+with a running max, so that its registers hold one group and several CTAs share an SM;
+the row max and the sum of exponentials travel together in one reduction round trip, with the sum of
 the logits for label smoothing. One thread per row then reads the target logit from
 global memory (just loaded, so it is in L2; with ``grad`` the thread that holds it in
 registers takes it from there instead, see below) and writes the row's statistics
@@ -31,7 +33,7 @@ cotangent):
 times ``1 - (x / cap)**2`` with a softcap; the term in d (the entropy's cotangent, with
 ``entropy``) is 0 where p is. A zero ``a`` drops the softmax term, so an ignored row's
 gradient is 0 even where its logits are NaN. Column blocks of a long row go to separate
-CTAs (no cluster).
+CTAs (no cluster); on a streamed tiling each thread takes its columns a group at a time.
 
 The statistics are the pair (shift, logsum), not their sum lse: ``x - shift`` is exact
 (shift is one of the row's logits) and logsum is small, so the softmax and the loss keep
@@ -122,6 +124,7 @@ class CrossEntropyForward(_CrossEntropy):
 
     def __init__(self, dtype, tiling, *, smoothing=False, softcap=False, grad=False, entropy=False):
         assert not (entropy and (smoothing or grad))
+        assert not (grad and tiling.group), "the gradient needs the whole row in registers"
         # max, sum of exp[, sum of x or of p * x]: one st.async
         self.words = 4 if smoothing or entropy else 2
         super().__init__(dtype, tiling, softcap=softcap)
@@ -136,6 +139,26 @@ class CrossEntropyForward(_CrossEntropy):
         scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
         labels = self.pointer(Int32, False)
         return (self.pointer(self.dtype), labels, *row_weights, *outputs, *scalars)
+
+    @cute.jit
+    def row_values(self, cta, cap):
+        """This thread's logits of ``cta`` as float32 (-inf past the end of the row),
+        softcapped, and the reduction's second operand: the logits (0 outside the row)
+        with ``smoothing``, the logits with -inf counting 0 with ``entropy`` (p * x, where
+        p = 0), else None."""
+        (x,) = self.load(cta, (-float("inf"),))
+        if const_expr(self.softcap):
+            x = self.fill_outside(cta, self.capped(x, cap), -float("inf"))
+        t = None
+        if const_expr(self.smoothing):
+            t = self.fill_outside(cta, x)
+        if const_expr(self.entropy):
+            finite = cute.make_rmem_tensor(x.shape, Float32)
+            finite.store(x)
+            for i in cutlass.range_constexpr(cute.size(finite)):
+                finite[i] = cutlass.select_(finite[i] == -Float32.inf, Float32(0.0), finite[i])
+            t = finite.load()
+        return x, t
 
     def row_loss(self, ploss, m, row, stats, total, ignored, outside, target, smoothing, z_loss):
         """Write the loss of ``row`` from its statistics, the target logit and the sum of its
@@ -206,22 +229,24 @@ class CrossEntropyForward(_CrossEntropy):
     ):
         n = self.tiling.n
         inv_t = inv_temperature
-        cta, reduction = self.setup(m, [px], [pdx] if const_expr(self.grad) else [])
-        (x,) = self.load(cta, (-float("inf"),))
-        if const_expr(self.softcap):
-            x = self.fill_outside(cta, self.capped(x, cap), -float("inf"))
-        t = None
-        if const_expr(self.smoothing):
-            t = self.fill_outside(cta, x)
-        if const_expr(self.entropy):  # p * x, with the -inf logits (p = 0) counting 0
-            finite = cute.make_rmem_tensor(x.shape, Float32)
-            finite.store(x)
-            for i in cutlass.range_constexpr(cute.size(finite)):
-                finite[i] = cutlass.select_(finite[i] == -Float32.inf, Float32(0.0), finite[i])
-            t = finite.load()
-        row_max, row_sum, _, total = self.row_softmax(
-            x, reduction, t=t, t_times_e=self.entropy, shift=finite_or_zero_inf, scale=inv_t
-        )
+        first = 0 if const_expr(self.tiling.group) else None  # a streamed row's first step
+        cta, reduction = self.setup(m, [px], [pdx] if const_expr(self.grad) else [], step=first)
+        x = None
+        if const_expr(self.tiling.group):
+
+            def values(step):
+                block = cute.arch.block_idx()[0]
+                return self.row_values(self.view(m, block, [px], [], step=step), cap)
+
+            with_t = self.smoothing or self.entropy
+            row_max, row_sum, total = self.streamed_softmax(
+                values, reduction, with_t, self.entropy, finite_or_zero_inf, inv_t
+            )
+        else:
+            x, t = self.row_values(cta, cap)
+            row_max, row_sum, _, total = self.row_softmax(
+                x, reduction, t=t, t_times_e=self.entropy, shift=finite_or_zero_inf, scale=inv_t
+            )
         top = finite_or_zero_inf(row_max)
         stats = top * inv_t, cute.math.log2(row_sum, fastmath=True) * LN_2
         lse = stats[0] + stats[1]
@@ -316,9 +341,8 @@ class CrossEntropyBackward(_CrossEntropy):
     def kernel(
         self, px, plabels, pshift, plogsum, pa, pb, pc, pd, pdx, m: Int32, cap, inv_temperature
     ):
-        cta = self.view(m, cute.arch.block_idx()[0], [px], [pdx])
-        (x,) = self.load(cta, (0.0,))
-        x = self.capped(x, cap)
+        block = cute.arch.block_idx()[0]
+        cta = self.view(m, block, [px], [pdx], step=0 if const_expr(self.tiling.group) else None)
         label = Int32(-1)
         shift, logsum, a, b, c = (Float32(0.0),) * 5
         d = Float32(0.0) if const_expr(self.entropy) else None
@@ -327,6 +351,16 @@ class CrossEntropyBackward(_CrossEntropy):
             shift, logsum, a, b, c = (per_row(p, m)[cta.row] for p in (pshift, plogsum, pa, pb, pc))
             if const_expr(self.entropy):
                 d = per_row(pd, m)[cta.row]
-        self.store_gradient(
-            cta, x, label, (shift, logsum), (a, b, c, d), inv_temperature, cap, cta.destinations[0]
-        )
+        row = (label, (shift, logsum), (a, b, c, d), inv_temperature, cap)
+        if const_expr(self.tiling.group):  # streamed: a group of vectors a thread per step
+            for step in cutlass.range(self.tiling.steps, unroll=1):
+                self.gradient_of(self.view(m, block, [px], [pdx], step=step), *row)
+        else:
+            self.gradient_of(cta, *row)
+
+    @cute.jit
+    def gradient_of(self, cta, label, stats, coefficients, inv_t, cap):
+        """Read this thread's logits of ``cta`` and write their gradient."""
+        (x,) = self.load(cta, (0.0,))
+        x = self.capped(x, cap)
+        self.store_gradient(cta, x, label, stats, coefficients, inv_t, cap, cta.destinations[0])

@@ -99,10 +99,12 @@ class RowKernel:
         )
         return tiled.get_slice(cute.arch.thread_idx()[0])
 
-    def cta_tile(self, ptr: cute.Pointer, row0: Int32, col0: Int32, rows: bool = True):
+    def cta_tile(self, ptr: cute.Pointer, row0: Int32, col0: Int32, rows: bool = True, cols=None):
         """The (R, C) tile of a row-major (M, n) tensor starting at (row0, col0), or with
-        ``rows`` false of a length-n vector broadcast over the R rows."""
+        ``rows`` false of a length-n vector broadcast over the R rows; C is ``cols``, by
+        default the CTA's columns."""
         t = self.tiling
+        cols = t.cols_per_cta if const_expr(cols is None) else cols
         offset = Int64(row0) * t.n + Int64(col0) if const_expr(rows) else Int64(col0)
         nbytes = ptr.dtype.width // 8
         base = cute.make_ptr(
@@ -112,28 +114,33 @@ class RowKernel:
             assumed_align=t.vec * nbytes,
         )
         stride = t.n if const_expr(rows) else 0
-        return cute.make_tensor(
-            base, cute.make_layout((t.rows_per_cta, t.cols_per_cta), stride=(stride, 1))
-        )
+        return cute.make_tensor(base, cute.make_layout((t.rows_per_cta, cols), stride=(stride, 1)))
 
-    def setup(self, m: Int32, inputs, outputs, vectors=()) -> tuple[CtaView, Reduction]:
+    def setup(self, m: Int32, inputs, outputs, vectors=(), step=None) -> tuple[CtaView, Reduction]:
         """This CTA's reduction storage (cluster barriers armed) and its view of row block
-        ``blockIdx.x``."""
+        ``blockIdx.x`` (of one step's columns with ``step``: see ``view``)."""
         reduction = self.allocate_reduction(cutlass.memory.SmemAllocator())
         self.init_cluster(reduction.mbar)
-        return self.view(m, cute.arch.block_idx()[0], inputs, outputs, vectors), reduction
+        view = self.view(m, cute.arch.block_idx()[0], inputs, outputs, vectors, step)
+        return view, reduction
 
-    def view(self, m: Int32, block: Int32, inputs, outputs, vectors=()) -> CtaView:
+    def view(self, m: Int32, block: Int32, inputs, outputs, vectors=(), step=None) -> CtaView:
         """This thread's partitions of row block ``block`` of each row-major (m, n) input
-        and output, and of this CTA's columns of each length-n vector."""
+        and output, and of this CTA's columns of each length-n vector; with ``step``, of
+        that step's columns only (streamed tilings: ``group`` vectors a thread)."""
         t = self.tiling
         row0 = block * t.rows_per_cta
         col0 = cute.arch.block_idx()[1] * t.cols_per_cta
+        cols = t.cols_per_cta
+        if const_expr(step is not None):
+            col0, cols = col0 + step * t.step_cols, t.step_cols
         thr = self.thread_copy()
-        sources = [thr.partition_S(self.cta_tile(p, row0, col0)) for p in inputs]
-        destinations = [thr.partition_D(self.cta_tile(p, row0, col0)) for p in outputs]
-        vecs = [thr.partition_S(self.cta_tile(p, row0, col0, rows=False)) for p in vectors]
-        tXcX = thr.partition_S(cute.make_identity_tensor((t.rows_per_cta, t.cols_per_cta)))
+        sources = [thr.partition_S(self.cta_tile(p, row0, col0, cols=cols)) for p in inputs]
+        destinations = [thr.partition_D(self.cta_tile(p, row0, col0, cols=cols)) for p in outputs]
+        vecs = [
+            thr.partition_S(self.cta_tile(p, row0, col0, rows=False, cols=cols)) for p in vectors
+        ]
+        tXcX = thr.partition_S(cute.make_identity_tensor((t.rows_per_cta, cols)))
         tXpX = None if const_expr(self.even_cols) else self.column_predicates(tXcX, col0)
         row = row0 + tXcX[0][0]
         first_col = col0 + tXcX[0][1] == 0
@@ -486,26 +493,80 @@ class RowKernel:
             cute.arch.fmax,
         )
         e = cute.math.exp2((x - shift(m)) * log2_scale, fastmath=True)
-        s = self.row_group_reduce(
-            e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), operator.add
-        )
+        s = e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
         w = None
         if const_expr(t is not None):
             weighted = t * e if const_expr(t_times_e) else t
-            w = self.row_group_reduce(
-                weighted.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                operator.add,
+            w = weighted.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+        m_row, s, w = self.combine_softmax(m, s, w, reduction, t_times_e, shift, log2_scale, True)
+        if const_expr(self.needs_buffer):
+            e = e * cute.math.exp2((m - shift(m_row)) * log2_scale, fastmath=True)
+        return m_row, s, e, w
+
+    @cute.jit
+    def streamed_softmax(
+        self, values, reduction: Reduction, with_t: bool, t_times_e: bool, shift, scale
+    ):
+        """``row_softmax``'s (m, s, w) of a streamed tiling's rows, whose values this thread
+        takes ``group`` vectors at a time: ``values(step)`` gives a step's (x, t). Each
+        thread keeps a running max and rescales its sums when the max grows."""
+        log2_scale = LOG2_E * scale
+        mx, s, w = Float32(-Float32.inf), Float32(0.0), Float32(0.0)
+        for step in cutlass.range(self.tiling.steps, unroll=1):
+            x, t = values(step)
+            top = cute.arch.fmax(
+                mx, x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0)
             )
+            base = shift(top)
+            rescale = cute.math.exp2((mx - base) * log2_scale, fastmath=True)
+            e = cute.math.exp2((x - base) * log2_scale, fastmath=True)
+            s = s * rescale + e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            if const_expr(with_t):
+                weighted = t * e if const_expr(t_times_e) else t
+                kept = w * rescale if const_expr(t_times_e) else w
+                w = kept + weighted.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            mx = top
+        m_row, s, w = self.combine_softmax(
+            mx, s, w if const_expr(with_t) else None, reduction, t_times_e, shift, log2_scale, False
+        )
+        return m_row, s, w
+
+    @cute.jit
+    def combine_softmax(
+        self,
+        m,
+        s,
+        w,
+        reduction: Reduction,
+        t_times_e: bool,
+        shift,
+        log2_scale,
+        group_max: cutlass.Constexpr[bool],
+    ):
+        """The row's (max, sum of exponentials, [w]) from each thread's (m, s, w), its
+        sums taken relative to ``shift(m)``: over the lanes that share the row, then (one
+        round trip) over its warps and CTAs, each partial rescaled to the row's max.
+        ``group_max``: m is already the max over the row's lanes of the warp."""
+        if const_expr(not group_max):
+            top = self.row_group_reduce(m, cute.arch.fmax)
+            rescale = cute.math.exp2((m - shift(top)) * log2_scale, fastmath=True)
+            s = s * rescale
+            if const_expr(w is not None and t_times_e):
+                w = w * rescale
+            m = top
+        s = self.row_group_reduce(s, operator.add)
+        if const_expr(w is not None):
+            w = self.row_group_reduce(w, operator.add)
         if const_expr(self.needs_buffer):
             buf = self.publish(
-                (m, s) if const_expr(t is None) else (m, s, w), reduction, 0, 0, True
+                (m, s) if const_expr(w is None) else (m, s, w), reduction, 0, 0, True
             )
             ms = self.gathered(buf, 0, -Float32.inf)
-            m_row = cute.arch.warp_reduction(
+            m = cute.arch.warp_reduction(
                 ms.load().reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
                 cute.arch.fmax,
             )
-            base = shift(m_row)
+            base = shift(m)
             ss = self.gathered(buf, 1, 0.0)
             scales = cute.make_rmem_tensor(cute.size(ms), Float32)
             s_row = Float32(0.0)
@@ -513,7 +574,7 @@ class RowKernel:
                 scales[i] = cute.math.exp2((ms[i] - base) * log2_scale, fastmath=True)
                 s_row += ss[i] * scales[i]
             s = cute.arch.warp_reduction(s_row, operator.add)
-            if const_expr(t is not None):
+            if const_expr(w is not None):
                 ws = self.gathered(buf, 2, 0.0)
                 if const_expr(t_times_e):
                     for i in cutlass.range_constexpr(cute.size(ms)):
@@ -522,9 +583,7 @@ class RowKernel:
                     ws.load().reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
                     operator.add,
                 )
-            e = e * cute.math.exp2((m - base) * log2_scale, fastmath=True)
-            m = m_row
-        return m, s, e, w
+        return m, s, w
 
 
 def per_row(ptr: cute.Pointer, m: Int32) -> cute.Tensor:

@@ -102,7 +102,7 @@ def row_tiling(aval, family: str, vec_itemsize=None, live=None, staged_bytes=Non
     where the kernels do not apply (dtype, empty or too many rows, rows too long)."""
     n, m = aval.shape[-1], rows(aval)
     if aval.dtype.name in KERNEL_DTYPES and n > 0 and 0 < m <= MAX_ROWS:
-        return choose_tiling(family, n, aval.dtype.itemsize, vec_itemsize, live, staged_bytes)
+        return choose_tiling(family, n, aval.dtype.itemsize, vec_itemsize, live, staged_bytes, m)
     return None
 
 

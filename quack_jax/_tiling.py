@@ -3,7 +3,10 @@
 A row of ``n`` elements is split across ``cluster_n`` CTAs of a cluster; inside a CTA,
 ``threads_per_row`` threads share a row and each holds ``vecs_per_thread`` vectors of
 ``vec`` elements, strided so that a warp's accesses are contiguous. One CTA holds
-``rows_per_cta`` rows. Everything here is plain Python: the runtime computes grids and
+``rows_per_cta`` rows. A streamed tiling (``group`` > 0, the cross-entropy forward and
+backward) has each thread load and reduce its vectors ``group`` at a time, in ``steps``
+passes over the CTA's columns, so that its registers hold one group whatever the row's
+length. Everything here is plain Python: the runtime computes grids and
 shared-memory sizes from it without importing CuTe-DSL, and the kernels read the same
 numbers, so the two cannot disagree.
 """
@@ -27,6 +30,7 @@ class RowTiling:
     threads_per_row: int
     num_threads: int
     cluster_n: int
+    group: int = 0  # streamed: vectors a thread loads and reduces at a time (0: all at once)
 
     def __post_init__(self):
         tpr, nt, cl = self.threads_per_row, self.num_threads, self.cluster_n
@@ -41,6 +45,8 @@ class RowTiling:
             problems.append("num_threads must be a multiple of 32, of threads_per_row, <= 1024")
         if cl not in (1, 2, 4, 8, 16):
             problems.append("cluster_n must be 1, 2, 4, 8 or 16")
+        if self.group < 0:
+            problems.append("group must be 0 (not streamed) or positive")
         if cl > 1 and tpr < WARP:
             problems.append("a cluster needs at least a warp per row")
         if not problems and cl > 1 and (cl - 1) * self.cols_per_cta >= self.n:
@@ -54,7 +60,22 @@ class RowTiling:
 
     @property
     def vecs_per_thread(self) -> int:
-        return -(-self.n // (self.vec * self.threads_per_row * self.cluster_n))
+        vecs = -(-self.n // (self.vec * self.threads_per_row * self.cluster_n))
+        return round_up(vecs, self.group) if self.group else vecs
+
+    @property
+    def steps(self) -> int:
+        """Passes over the CTA's columns: one group of vectors a thread each."""
+        return self.vecs_per_thread // self.group if self.group else 1
+
+    @property
+    def step_cols(self) -> int:
+        return self.cols_per_cta // self.steps
+
+    @property
+    def live_elems(self) -> int:
+        """Row elements a thread holds in registers at once."""
+        return self.group * self.vec if self.group else self.elems_per_thread
 
     @property
     def elems_per_thread(self) -> int:
@@ -93,7 +114,8 @@ class RowTiling:
 
     @property
     def tag(self) -> str:
-        return f"t{self.threads_per_row}x{self.num_threads}c{self.cluster_n}v{self.vec}"
+        group = f"g{self.group}" if self.group else ""
+        return f"t{self.threads_per_row}x{self.num_threads}c{self.cluster_n}v{self.vec}{group}"
 
 
 def round_up(x: int, k: int) -> int:
@@ -111,17 +133,28 @@ def max_vec(n: int, itemsize: int) -> int:
     return math.gcd(16 // itemsize, n)
 
 
-def make_tiling(n: int, itemsize: int, threads_per_row: int, num_threads: int, cluster_n: int):
+def make_tiling(
+    n: int,
+    itemsize: int,
+    threads_per_row: int,
+    num_threads: int,
+    cluster_n: int,
+    step_elems: int = 0,
+):
     """A tiling for rows of ``n`` elements of at most ``itemsize`` bytes, shrunk to fit
     small rows: fewer threads per row than vectors in it, and no more CTAs per row than
-    can each own a part of it."""
+    can each own a part of it; with ``step_elems``, streamed in groups of that many
+    elements a thread (no more than it has)."""
     vec = max_vec(n, itemsize)
     threads_per_row = min(threads_per_row, _pow2_at_least(-(-n // vec)))
     if threads_per_row < WARP:
         cluster_n = 1
     while True:
         tiling = RowTiling(n, vec, threads_per_row, num_threads, 1)
-        per_cta = vec * threads_per_row * -(-n // (vec * threads_per_row * cluster_n))
+        vecs = -(-n // (vec * threads_per_row * cluster_n))
+        group = min(max(step_elems // vec, 1), vecs) if step_elems else 0
+        tiling = dataclasses.replace(tiling, group=group)
+        per_cta = vec * threads_per_row * (round_up(vecs, group) if group else vecs)
         if cluster_n == 1 or (cluster_n - 1) * per_cta < n:
             return dataclasses.replace(tiling, cluster_n=cluster_n)
         cluster_n //= 2
@@ -243,6 +276,41 @@ _TABLES["ce_bwd", 2] = [
     (256 * _K, (256, 256, 16)),
 ]
 _TABLES["ce_bwd", 4] = _TABLES["ce_bwd", 2]
+# Streamed tilings (threads per row, threads per CTA, cluster size, elements a thread per
+# step) of the families that have them, for rows up to each limit (None: not streamed),
+# at STREAM_MIN_ROWS rows or more: enough rows to fill the GPU without a long row's
+# cluster, where a thread that holds one group of its row at a time lets several CTAs
+# share an SM. Fewer rows, and rows whose vectors are under 8 bytes (n = 50257: 2.35
+# TB/s streamed, 3.11 held in registers), take the tables above. A kernel with more live
+# values per element than its family's (the forward with the entropy or label smoothing)
+# takes proportionally fewer elements per step. Tuned on the H200 at 2048 to 8192 rows
+# (benchmarks/NOTES.md, "Cross-entropy tilings tuned for the vocabularies").
+STREAM_MIN_ROWS = 2048
+_STREAMED_TABLES = {
+    ("ce_fwd", 2): [(16 * _K, None), (128 * _K, (128, 128, 1, 32)), (256 * _K, (256, 256, 1, 32))],
+    ("ce_bwd", 2): [
+        (16 * _K, None),
+        (64 * _K, (512, 512, 1, 32)),
+        (160 * _K, (1024, 1024, 1, 32)),
+        (256 * _K, (512, 512, 1, 32)),
+    ],
+}
+STREAMED = frozenset(family for family, _ in _STREAMED_TABLES)
+_stream_min_rows = [STREAM_MIN_ROWS]
+
+
+@contextlib.contextmanager
+def streamed_from(rows: int):
+    """Streamed tilings from ``rows`` rows on while tracing inside the block: a build
+    lowers its functions again with 0, so that it holds the kernels that any number of
+    rows takes."""
+    _stream_min_rows.append(rows)
+    try:
+        yield
+    finally:
+        _stream_min_rows.pop()
+
+
 # The forward that also writes the gradient (a mean or sum loss under autodiff) reads and
 # writes the row; tuned alone on the H200 (run 12 in benchmarks/NOTES.md) at n = 1024,
 # 32000, 50257, 128256, 151936 and 262144, the softmax forward's entries between them.
@@ -295,7 +363,7 @@ def _fits(tiling: RowTiling, budget: int, staged_bytes: int | None) -> bool:
     """Within the register budget, and for staged kernels (``staged_bytes`` per column of
     a row block, over all staged inputs) within 2 * STAGE_BYTES of shared memory per block."""
     block = tiling.rows_per_cta * tiling.cols_per_cta * (staged_bytes or 0)
-    return tiling.elems_per_thread <= budget and block <= 2 * STAGE_BYTES
+    return tiling.live_elems <= budget and block <= 2 * STAGE_BYTES
 
 
 def one_wave(family: str, n: int, itemsize: int) -> bool:
@@ -332,7 +400,8 @@ def candidate_tilings(
 ) -> list[RowTiling]:
     """The tilings the benchmark's tuner tries: for every mix of threads per row and CTA
     size, the two smallest clusters that fit the register budget, keeping each thread at
-    least 32 elements (or 8 vectors, or the budget) so that enough loads are in flight."""
+    least 32 elements (or 8 vectors, or the budget) so that enough loads are in flight;
+    for the streamed families also streamed tilings (see ``_streamed_candidates``)."""
     budget = elems_budget(family, live)
     vec = max_vec(n, max(itemsize, vec_itemsize or 0))
     out = []
@@ -350,7 +419,32 @@ def candidate_tilings(
             ):
                 fitting.append(tiling)
         out += fitting[:2]
+    if _streamable(family, n, itemsize):
+        out += _streamed_candidates(n, vec)
     return out
+
+
+def _streamed_candidates(n: int, vec: int) -> list[RowTiling]:
+    """Streamed tilings of rows long enough to take several steps: a row per CTA of 128
+    to 1024 threads, on clusters of 1 to 8 CTAs, 16 or 32 elements a thread per step."""
+    out = []
+    for tpr, cluster, elems in itertools.product((128, 256, 512, 1024), (1, 2, 4, 8), (16, 32)):
+        tiling = make_tiling(n, 16 // vec, tpr, tpr, cluster, elems)
+        if tiling.steps > 1 and tiling.cluster_n == cluster:
+            out.append(tiling)
+    return out
+
+
+def _streamable(family: str, n: int, itemsize: int) -> bool:
+    return family in STREAMED and max_vec(n, itemsize) * itemsize >= 8
+
+
+def _streamed_entry(family: str, n: int, itemsize: int, rows: int) -> tuple | None:
+    """The streamed table's entry for these rows, or None where they are not streamed."""
+    table = _STREAMED_TABLES.get((family, min(itemsize, 4)))
+    if rows < _stream_min_rows[-1] or table is None or not _streamable(family, n, itemsize):
+        return None
+    return next((v for limit, v in table if n <= limit), table[-1][1])
 
 
 def choose_tiling(
@@ -360,23 +454,32 @@ def choose_tiling(
     vec_itemsize: int | None = None,
     live: int | None = None,
     staged_bytes: int | None = None,
+    rows: int = 0,
 ) -> RowTiling | None:
     """The tiling for a kernel family, or None when ``n`` is beyond what the kernels hold on chip.
 
     ``itemsize`` is the row dtype's and picks the table; ``vec_itemsize``, the widest
     element the kernel reads (weights), bounds the vector width; ``live`` values per
     element set the register budget (see ``elems_budget``), ``staged_bytes`` the shared
-    memory of staged kernels (see ``_fits``). Starts from the tables, then spreads a row
+    memory of staged kernels (see ``_fits``); ``rows``, the number of rows, whether a
+    streamed tiling applies (``_STREAMED_TABLES``). Else starts from the tables, then spreads a row
     over more threads (up to 256), then over more CTAs (up to 16, or as many as can share
     the row, and then over up to 1024 threads), until the tiling fits.
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
     table = _TABLES[family, min(itemsize, 4)]
+    vec_itemsize = max(itemsize, vec_itemsize or 0)
+    if entry := _streamed_entry(family, n, itemsize, rows):
+        tpr, threads, cluster, step = entry
+        default_live = _LIVE.get(family, 1)
+        return make_tiling(
+            n, vec_itemsize, tpr, threads, cluster, step * default_live // (live or default_live)
+        )
     tpr, threads, cluster = next((v for limit, v in table if n <= limit), table[-1][1])
     budget = elems_budget(family, live)
     while True:
-        tiling = make_tiling(n, max(itemsize, vec_itemsize or 0), tpr, threads, cluster)
+        tiling = make_tiling(n, vec_itemsize, tpr, threads, cluster)
         if _fits(tiling, budget, staged_bytes):
             return tiling
         if tpr < 256:

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from . import _cache, _registry
 from ._primitive import lowering_path
 from ._spec import QK_NORM_SIZES, OpSpec
-from ._tiling import ITEMSIZE
+from ._tiling import ITEMSIZE, streamed_from
 
 ARCHS = ("sm_90a",)
 DTYPES = tuple(ITEMSIZE)
@@ -87,18 +87,25 @@ def _lowering_arch(arch: str):
             os.environ["QUACK_JAX_CUDA_ARCH"] = previous
 
 
-def lower_for_cuda(fn: Callable, args, arch: str = "sm_90a", path: str = "kernel") -> str:
+def lower_for_cuda(
+    fn: Callable, args, arch: str = "sm_90a", path: str = "kernel", any_rows: bool = False
+) -> str:
     """Lower ``fn`` at ``args`` (shape-dtype structs) for CUDA on any host, which loads or
     compiles every kernel it launches; returns the StableHLO text. ``path`` (see
     ``_primitive.lowering_path``): by default the kernels at every shape, also where the
-    default lowering would pick XLA's path, so that builds hold every kernel."""
+    default lowering would pick XLA's path, so that builds hold every kernel.
+    ``any_rows``: also the kernels that ``args`` would take with any other number of rows
+    (the streamed tilings of many rows, ``_tiling.streamed_from``)."""
     import jax
 
     with _lowering_arch(arch), lowering_path(path):
         # a fresh function each time: JAX's caches must not return an earlier lowering
         # (one made under another tiling override, say)
-        fresh = jax.jit(lambda *a: fn(*a))
-        return fresh.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        if any_rows:
+            with streamed_from(0):
+                jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+        return text.as_text()
 
 
 def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = False) -> None:
@@ -111,7 +118,7 @@ def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = 
             for dtype in dtypes:
                 for n in sizes:
                     for fn, args in specs[op].lowerings(op, dtype, n, packaged):
-                        lower_for_cuda(fn, args, arch)
+                        lower_for_cuda(fn, args, arch, any_rows=True)
                     if verbose:
                         print(f"{op:13s} {dtype:9s} n={n:<7d} ready", flush=True)
     if verbose:

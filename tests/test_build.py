@@ -22,7 +22,7 @@ import pytest
 import quack_jax
 from quack_jax import _cache, _ffi, _registry, bench, build
 from quack_jax._primitive import persistent_grid
-from quack_jax._tiling import RowTiling, choose_tiling
+from quack_jax._tiling import STREAM_MIN_ROWS, RowTiling, candidate_tilings, choose_tiling
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EM_CUDA = 190
@@ -254,6 +254,27 @@ def test_tiling_rules():
                 assert t.vec * itemsize <= 16 and n % t.vec == 0
                 assert t.cols_per_cta * t.cluster_n >= n > t.cols_per_cta * (t.cluster_n - 1)
     assert choose_tiling("softmax_bwd", 2**20, 4) is None
+
+
+@pytest.mark.parametrize("family", ["ce_fwd", "ce_bwd"])
+def test_streamed_tilings_cover_the_row_in_steps(family):
+    """Streamed from STREAM_MIN_ROWS rows on (long rows of 8-byte vectors only); each
+    CTA's columns are whole steps of one group a thread; the tuner's streamed candidates
+    obey the same."""
+    for n in (1000, 16384, 16388, 32000, 50257, 151936, 262144):
+        for rows in (1, STREAM_MIN_ROWS - 1, STREAM_MIN_ROWS, 10**6):
+            t = choose_tiling(family, n, 2, rows=rows)
+            long = n > 16384 and n % 4 == 0
+            assert bool(t.group) == (rows >= STREAM_MIN_ROWS and long), (n, rows, t)
+    assert not [c for c in candidate_tilings(family, 50257, 2) if c.group]
+    for n in (32000, 151936, 262144):
+        candidates = [c for c in candidate_tilings(family, n, 2) if c.group]
+        assert candidates
+        for t in [*candidates, choose_tiling(family, n, 2, rows=STREAM_MIN_ROWS)]:
+            assert t.steps > 1 and t.steps * t.step_cols == t.cols_per_cta
+            assert t.step_cols == t.group * t.vec * t.threads_per_row
+            assert t.cols_per_cta * t.cluster_n >= n > t.cols_per_cta * (t.cluster_n - 1)
+            assert t.live_elems <= 32
 
 
 def test_ffi_library_loads_and_registers():
