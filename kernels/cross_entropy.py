@@ -144,8 +144,8 @@ class CrossEntropyForward(_CrossEntropy):
     def row_values(self, cta, cap):
         """This thread's logits of ``cta`` as float32 (-inf past the end of the row),
         softcapped, and the reduction's second operand: the logits (0 outside the row)
-        with ``smoothing``, the logits with -inf counting 0 with ``entropy`` (p * x, where
-        p = 0), else None."""
+        with ``smoothing``, the logits with -inf raised to the lowest finite float with
+        ``entropy`` (whose p * x is then 0, not NaN), else None."""
         (x,) = self.load(cta, (-float("inf"),))
         if const_expr(self.softcap):
             x = self.fill_outside(cta, self.capped(x, cap), -float("inf"))
@@ -155,8 +155,9 @@ class CrossEntropyForward(_CrossEntropy):
         if const_expr(self.entropy):
             finite = cute.make_rmem_tensor(x.shape, Float32)
             finite.store(x)
+            lowest = Float32(-3.4028234663852886e38)
             for i in cutlass.range_constexpr(cute.size(finite)):
-                finite[i] = cutlass.select_(finite[i] == -Float32.inf, Float32(0.0), finite[i])
+                finite[i] = cute.arch.fmax(finite[i], lowest)
             t = finite.load()
         return x, t
 

@@ -265,6 +265,9 @@ _FULL_GRID_UP_TO = {("rms_norm_fwd", 4): 1 * _K, ("layer_norm_fwd", 4): 1 * _K}
 # (``cluster_n`` of them, launched without a cluster) of about 32 elements a thread.
 _TABLES["ce_fwd", 2] = _TABLES["softmax_fwd", 2]
 _TABLES["ce_fwd", 4] = _TABLES["softmax_fwd", 4]
+# the forward with the entropy (token_logprobs): two live values an element
+_TABLES["ce_entropy", 2] = _TABLES["softmax_fwd", 2]
+_TABLES["ce_entropy", 4] = _TABLES["softmax_fwd", 4]
 _TABLES["ce_bwd", 2] = [
     (1 * _K, (32, 256, 1)),
     (2 * _K, (64, 256, 1)),
@@ -282,12 +285,13 @@ _TABLES["ce_bwd", 4] = _TABLES["ce_bwd", 2]
 # cluster, where a thread that holds one group of its row at a time lets several CTAs
 # share an SM. Fewer rows, and rows whose vectors are under 8 bytes (n = 50257: 2.35
 # TB/s streamed, 3.11 held in registers), take the tables above. A kernel with more live
-# values per element than its family's (the forward with the entropy or label smoothing)
-# takes proportionally fewer elements per step. Tuned on the H200 at 2048 to 8192 rows
+# values per element than its family's (the forward with label smoothing) takes
+# proportionally fewer elements per step. Tuned on the H200 at 2048 to 8192 rows
 # (benchmarks/NOTES.md, "Cross-entropy tilings tuned for the vocabularies").
 STREAM_MIN_ROWS = 2048
 _STREAMED_TABLES = {
     ("ce_fwd", 2): [(16 * _K, None), (128 * _K, (128, 128, 1, 32)), (256 * _K, (256, 256, 1, 32))],
+    ("ce_entropy", 2): [(16 * _K, None), (256 * _K, (128, 128, 1, 16))],
     ("ce_bwd", 2): [
         (16 * _K, None),
         (64 * _K, (512, 512, 1, 32)),
@@ -343,10 +347,18 @@ _MAX_VALUES_PER_THREAD = {
     "layer_norm_fwd": 128,
     "layer_norm_bwd": 128,
     "ce_fwd": 128,
+    "ce_entropy": 128,
     "ce_bwd": 128,
     "ce_grad": 128,
 }
-_LIVE = {"softmax_fwd": 1, "softmax_bwd": 2, "ce_fwd": 1, "ce_bwd": 2, "ce_grad": 1}
+_LIVE = {
+    "softmax_fwd": 1,
+    "softmax_bwd": 2,
+    "ce_fwd": 1,
+    "ce_entropy": 2,
+    "ce_bwd": 2,
+    "ce_grad": 1,
+}
 
 
 # Kernels that stage row blocks in shared memory (the persistent norm kernels) keep a

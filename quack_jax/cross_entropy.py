@@ -224,8 +224,8 @@ def _forward_kernel(
     inplace,
 ):
     x = avals_in[0]
-    live = 1 + bool(smoothing or entropy)
-    tiling = row_tiling(x, "ce_grad" if grad else "ce_fwd", live=live)
+    family = "ce_grad" if grad else "ce_entropy" if entropy else "ce_fwd"
+    tiling = row_tiling(x, family, live=1 + bool(smoothing or entropy))
     if tiling is None:
         return None
     config = CrossEntropyForward(
@@ -975,7 +975,7 @@ def _token_logprobs_benchmark(temperature=0.7):
             Case("ce_fwd_bwd", "cross_entropy fwd+bwd", 3, vjp(ce), kernel=True),
         ],
         tuned=[
-            Tuned("fwd", "ce_fwd", 1, quack, lambda x, labels, *_: (x, labels), lambda: 2),
+            Tuned("fwd", "ce_entropy", 1, quack, lambda x, labels, *_: (x, labels)),
             Tuned("bwd", "ce_bwd", 2, *_tuned_backward(True, temperature)),
         ],
         columns=[

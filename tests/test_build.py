@@ -256,7 +256,7 @@ def test_tiling_rules():
     assert choose_tiling("softmax_bwd", 2**20, 4) is None
 
 
-@pytest.mark.parametrize("family", ["ce_fwd", "ce_bwd"])
+@pytest.mark.parametrize("family", ["ce_fwd", "ce_entropy", "ce_bwd"])
 def test_streamed_tilings_cover_the_row_in_steps(family):
     """Streamed from STREAM_MIN_ROWS rows on (long rows of 8-byte vectors only); each
     CTA's columns are whole steps of one group a thread; the tuner's streamed candidates
