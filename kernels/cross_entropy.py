@@ -155,7 +155,7 @@ class CrossEntropyForward(_CrossEntropy):
         if const_expr(self.entropy):
             finite = cute.make_rmem_tensor(x.shape, Float32)
             finite.store(x)
-            lowest = Float32(-3.4028234663852886e38)
+            lowest = Float32(-3.4028234663852886e38)  # float32's lowest finite value
             for i in cutlass.range_constexpr(cute.size(finite)):
                 finite[i] = cute.arch.fmax(finite[i], lowest)
             t = finite.load()

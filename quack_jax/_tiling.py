@@ -452,11 +452,12 @@ def _streamable(family: str, n: int, itemsize: int) -> bool:
 
 
 def _streamed_entry(family: str, n: int, itemsize: int, rows: int) -> tuple | None:
-    """The streamed table's entry for these rows, or None where they are not streamed."""
+    """The streamed table's entry for these rows, or None where they are not streamed
+    (rows longer than its last limit, the longest the kernels were tested on, included)."""
     table = _STREAMED_TABLES.get((family, min(itemsize, 4)))
     if rows < _stream_min_rows[-1] or table is None or not _streamable(family, n, itemsize):
         return None
-    return next((v for limit, v in table if n <= limit), table[-1][1])
+    return next((v for limit, v in table if n <= limit), None)
 
 
 def choose_tiling(
@@ -474,9 +475,9 @@ def choose_tiling(
     element the kernel reads (weights), bounds the vector width; ``live`` values per
     element set the register budget (see ``elems_budget``), ``staged_bytes`` the shared
     memory of staged kernels (see ``_fits``); ``rows``, the number of rows, whether a
-    streamed tiling applies (``_STREAMED_TABLES``). Else starts from the tables, then spreads a row
-    over more threads (up to 256), then over more CTAs (up to 16, or as many as can share
-    the row, and then over up to 1024 threads), until the tiling fits.
+    streamed tiling applies (``_STREAMED_TABLES``). Else starts from the tables, then
+    spreads a row over more threads (up to 256), then over more CTAs (up to 16, or as many
+    as can share the row, and then over up to 1024 threads), until the tiling fits.
     """
     if tiling := _overrides.get((family, n, itemsize)):
         return tiling
