@@ -84,10 +84,11 @@ def reference(x, labels, g_logp, g_h, temperature, logit_softcap, ignore=IGNORE)
             scale = scale * (1.0 - (capped / logit_softcap) ** 2)
         grad = dz * scale
         grad = np.where((~inside & (g_logp != 0))[:, None], np.nan, grad)
-        # p = exp(z - lse) carries the rounding of z - lse, relative to its size, and
-        # float32's absolute floor: exp's results below its smallest normal may flush to
-        # 0, and the gradient multiplies that error by up to |z - E| / T
-        floor = 100 * np.finfo(np.float32).smallest_normal / 2e-5
+        # p = exp(z - lse) carries the rounding of z - lse, relative to its size, and an
+        # absolute floor: float32 exps this small may come out as 0 (the kernels flush
+        # below the smallest normal; XLA's CPU exp on JAX 0.12 gave 0 for exp(-81.5),
+        # 4e-36), and the gradient multiplies that error by up to |z - E| / T
+        floor = 1e-30 / 2e-5
         p_mag = p * (1.0 + np.abs(np.where(p > 0, z - lse[:, None], 0.0))) + floor
         mag_grad = np.abs(g_logp)[:, None] * (onehot + p_mag) + np.abs(g_h)[:, None] * p_mag * (
             np.abs(zp) + np.abs(mean)[:, None] + 1.0
