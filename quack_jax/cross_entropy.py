@@ -911,13 +911,13 @@ def _tuned_backward(entropy, temperature=1.0):
     coefficient nonzero) and its operands from the benchmark's arguments."""
 
     def backward(logits, labels, shift, logsum, coefficient):
-        abc = (coefficient, coefficient, coefficient) + (coefficient,) * entropy
+        coefficients = (coefficient,) * (3 + entropy)  # a, b, c and the entropy's d
         return _backward.bind(
             logits,
             labels,
             shift,
             logsum,
-            *abc,
+            *coefficients,
             softcap=None,
             temperature=temperature,
             entropy=entropy,
