@@ -12,7 +12,9 @@ tuned kernel under each candidate tiling), the softmax GPU tests' sizes through 
 registry's build functions, and the cases that the test modules with GPU tests,
 ``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``.
 Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
-kernels (variants, tilings) those functions launch get built.
+kernels (variants, tilings) those functions launch get built, for any number of rows
+(each function is lowered again with every row count streamed; see
+``quack_jax.build.lower_for_cuda``'s ``any_rows``).
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """

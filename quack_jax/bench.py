@@ -43,9 +43,11 @@ byte size. TB/s counts the bytes the op must move at least, e being x's element 
 
 --tune times every candidate tiling of each kernel alone: the forward op, the backward
 kernel by itself (softmax's derivative; the norms' and cross-entropy's backward
-primitives with the saved statistics precomputed), and cross-entropy's forward that also
-writes the gradient. The persistent norm kernels' candidates run on one wave of
-clusters, and the three fastest also on one CTA per row block (tag +full-grid).
+primitives with the saved statistics precomputed), cross-entropy's forward that also
+writes the gradient, and token_logprobs' forward and backward with the entropy; the
+cross-entropy kernels' candidates include streamed tilings. The persistent norm kernels'
+candidates run on one wave of clusters, and the three fastest also on one CTA per row
+block (tag +full-grid).
 
 --latency times each op at small and decode shapes (each op's latency_shapes: M from 1
 to 4096 rows at the family's row lengths, and QK-norm's rows for rms_norm), in bfloat16
