@@ -5,12 +5,14 @@ registers; the row max and the sum of exponentials travel together (online softm
 the whole row needs a single reduction round trip, across warps through shared memory and
 across the CTAs of a cluster through distributed shared memory.
 
-Derivatives map a (co)tangent t to the same shape and recompute p = softmax(x) from x in
-registers, so they read t and x and write one output, and the forward output need not be
-kept (it is not even computed when nothing else uses it):
-    softmax (self-adjoint):      p * (t - sum(t * p))
-    log_softmax, reverse (vjp):  t - p * sum(t)
-    log_softmax, forward (jvp):  t - sum(p * t)
+Derivatives map a (co)tangent t to the same shape; they read t and one saved operand s
+and write one output. Softmax's reads its forward output y (s = y), so it needs only the
+row sum of t * y: one value per row in one round trip. Log-softmax's recompute
+p = softmax(x) from x (s = x) in registers: a 16-bit log-probability would give p only
+to |log p| * 2^-8 relative.
+    softmax (self-adjoint), s = y:  y * (t - sum(t * y))
+    log_softmax, reverse (vjp):     t - p * sum(t)
+    log_softmax, forward (jvp):     t - sum(p * t)
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ class SoftmaxForward(RowKernel):
 
 
 class SoftmaxDerivative(RowKernel):
-    words = 4  # max, sum of exp, sum of t (times p): padded to one 16-byte st.async
     KINDS = ("softmax", "log_vjp", "log_jvp")
 
     def __init__(self, dtype, tiling, kind: str):
-        super().__init__(dtype, tiling)
         assert kind in self.KINDS
+        # softmax: sum of t * y; log-softmax: max, sum of exp, sum of t (times p), padded
+        # to one 16-byte st.async
+        self.words = 1 if kind == "softmax" else 4
+        super().__init__(dtype, tiling)
         self.kind = kind
 
     def compile_args(self):
@@ -65,23 +69,23 @@ class SoftmaxDerivative(RowKernel):
     def __call__(
         self,
         pt: cute.Pointer,
-        px: cute.Pointer,
+        ps: cute.Pointer,
         pout: cute.Pointer,
         m: Int32,
         stream: cuda.CUstream,
     ):
-        self.kernel(pt, px, pout, m).launch(**self.launch_args(m), stream=stream)
+        self.kernel(pt, ps, pout, m).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
-    def kernel(self, pt: cute.Pointer, px: cute.Pointer, pout: cute.Pointer, m: Int32):
-        cta, reduction = self.setup(m, [pt, px], [pout])
-        tt, x = self.load(cta, (0.0, -float("inf")))
-        _, s, e, w = self.row_softmax(x, reduction, t=tt, t_times_e=self.kind != "log_vjp")
-        inv_s = cute.arch.rcp_approx(s)
+    def kernel(self, pt: cute.Pointer, ps: cute.Pointer, pout: cute.Pointer, m: Int32):
+        cta, reduction = self.setup(m, [pt, ps], [pout])
         if const_expr(self.kind == "softmax"):
-            out = (e * inv_s) * (tt - w * inv_s)
-        elif const_expr(self.kind == "log_vjp"):
-            out = tt - (e * inv_s) * w
+            tt, y = self.load(cta, (0.0, 0.0))
+            (w,) = self.row_sums((tt * y,), reduction, first=True)
+            out = y * (tt - w)
         else:
-            out = tt - w * inv_s
+            tt, x = self.load(cta, (0.0, -float("inf")))
+            _, s, e, w = self.row_softmax(x, reduction, t=tt, t_times_e=self.kind == "log_jvp")
+            inv_s = cute.arch.rcp_approx(s)
+            out = tt - (e * inv_s) * w if const_expr(self.kind == "log_vjp") else tt - w * inv_s
         self.store(cta, out, cta.destinations[0])

@@ -1,11 +1,13 @@
 """Softmax and log-softmax with fused forward and derivative kernels.
 
 ``_forward`` computes y from x. ``_derivative`` is linear in its first operand t and
-recomputes p = softmax(x) from x in registers: for softmax ``p * (t - sum(t * p))``,
-which is its own transpose; for log-softmax the forward-mode form ``t - sum(p * t)`` and
-its transpose ``t - p * sum(t)``. ``jax.grad`` therefore runs one derivative kernel that
-reads x and the cotangent and writes the gradient, plus the forward kernel only where the
-forward output is used; ``jax.jvp`` likewise. With the softmax axis split across devices
+reads one saved operand s. Softmax's reads its output (s = y): ``y * (t - sum(t * y))``,
+which is its own transpose. Log-softmax's recompute p = softmax(x) from x (s = x), since
+a 16-bit log-probability gives p only to ``|log p| * 2^-8`` relative: the forward-mode
+form ``t - sum(p * t)`` and its transpose ``t - p * sum(t)``. ``jax.grad`` therefore
+runs the forward kernel and one derivative kernel that reads s and the cotangent and
+writes the gradient (log-softmax's forward kernel only where its output is used);
+``jax.jvp`` likewise. With the softmax axis split across devices
 (under a sharded ``jit``), each device runs the XLA reference on its slice of the rows,
 with the rows' max and sums combined by ``pmax``/``psum``.
 """
@@ -51,8 +53,8 @@ class Softmax(KernelConfig):
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxDerivative(KernelConfig):
-    """The derivative kernels, linear in t: ``kind`` is "softmax", "log_vjp" or
-    "log_jvp"."""
+    """The derivative kernels, linear in t: ``kind`` is "softmax" (reads y), "log_vjp" or
+    "log_jvp" (read x)."""
 
     kernel_class = "softmax:SoftmaxDerivative"
     kernels: ClassVar[dict] = {
@@ -72,31 +74,30 @@ def _reference_forward(x, *, log: bool, row=WHOLE):
     return (y.astype(x.dtype),)
 
 
-def _reference_derivative(t, x, *, kind: str, row=WHOLE):
+def _reference_derivative(t, s, *, kind: str, row=WHOLE):
+    """The derivative along t from the saved operand s: y for softmax, x for log-softmax."""
     t32 = t.astype(compute_dtype(t.dtype))
-    (p,) = _reference_forward(x.astype(t32.dtype), log=False, row=row)
     if kind == "softmax":
-        out = p * (t32 - row.sum(t32 * p))
-    elif kind == "log_vjp":
-        out = t32 - p * row.sum(t32)
-    else:
-        out = t32 - row.sum(p * t32)
+        y = s.astype(t32.dtype)
+        return ((y * (t32 - row.sum(t32 * y))).astype(t.dtype),)
+    (p,) = _reference_forward(s.astype(t32.dtype), log=False, row=row)
+    out = t32 - p * row.sum(t32) if kind == "log_vjp" else t32 - row.sum(p * t32)
     return (out.astype(t.dtype),)
 
 
 def _forward_jvp(primals, tangents, *, log):
     (x,), (x_dot,) = primals, tangents
     y = _forward.bind(x, log=log)
-    kind = "log_jvp" if log else "softmax"
-    return y, _derivative.bind(ad.instantiate_zeros(x_dot), x, kind=kind)
+    kind, saved = ("log_jvp", x) if log else ("softmax", y[0])
+    return y, _derivative.bind(ad.instantiate_zeros(x_dot), saved, kind=kind)
 
 
-def _derivative_transpose(cts, t, x, *, kind):
+def _derivative_transpose(cts, t, s, *, kind):
     (ct,) = cts
-    assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(x)
+    assert ad.is_undefined_primal(t) and not ad.is_undefined_primal(s)
     if type(ct) is ad.Zero:
         return [None, None]
-    return [_derivative.bind(ct, x, kind=_TRANSPOSED[kind])[0], None]
+    return [_derivative.bind(ct, s, kind=_TRANSPOSED[kind])[0], None]
 
 
 def _kernel(family: str, config: type[KernelConfig]):
@@ -185,7 +186,7 @@ def softmax(
         zero derivatives. The kernel runs on ``jnp.where(where, x, -inf)``, an XLA select
         on each side of it.
       implementation: None (the kernels on a CUDA sm_90 device, except the forward up
-        to 1 MiB of input, which lowers to XLA's formulation where that measured
+        to 8 MiB of input, which lowers to XLA's formulation where that measured
         faster; the XLA fallback elsewhere) or "xla": a plain jnp formulation that JAX
         differentiates, with no quack_jax primitive in the program (to bisect a
         numerics difference). None follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or
@@ -193,7 +194,7 @@ def softmax(
 
     NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
     or only -inf, gives NaN). Differentiable to any order; ``jax.grad`` runs one fused
-    backward kernel ``dx = y * (dy - sum(dy * y))`` that recomputes y from x.
+    backward kernel ``dx = y * (dy - sum(dy * y))`` that reads the saved y.
     """
     return _apply("softmax", x, axis, where, False, implementation)
 
@@ -205,7 +206,8 @@ def log_softmax(
     ``jax.nn.log_softmax``.
 
     Same arguments, dtypes and special values as :func:`softmax` (masked elements give
-    -inf); ``jax.grad`` runs one fused backward kernel ``dx = dy - softmax(x) * sum(dy)``.
+    -inf); ``jax.grad`` runs one fused backward kernel ``dx = dy - softmax(x) * sum(dy)``,
+    which recomputes softmax(x) from x.
     """
     return _apply("log_softmax", x, axis, where, True, implementation)
 
@@ -230,8 +232,8 @@ def _benchmarks():
     shapes = [(32768, 1024), (16384, 4096), (8192, 16384), (4096, 65536), (2048, 131072)]
     shapes += [(1024, 262144)]
 
-    def derivative(dy, x):
-        return _derivative.bind(dy, x, kind="softmax")[0]
+    def derivative(dy, y):
+        return _derivative.bind(dy, y, kind="softmax")[0]
 
     return [
         Benchmark(
@@ -247,7 +249,7 @@ def _benchmarks():
             ],
             tuned=[
                 Tuned("fwd", "softmax_fwd", 2, softmax, lambda x, dy: (x,)),
-                Tuned("bwd", "softmax_bwd", 3, derivative, lambda x, dy: (dy, x)),
+                Tuned("bwd", "softmax_bwd", 3, derivative, lambda x, dy: (dy, softmax(x))),
             ],
             columns=[
                 *FWD_COLUMNS,

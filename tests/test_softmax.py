@@ -236,7 +236,9 @@ def test_where(backend, dtype):
                 )
         return out
 
-    out = run(backend, f, x, dy, jnp.asarray(mask), jnp.asarray(rows), launches=12)
+    # per op and mask, vjp: forward and backward; jvp: softmax's forward and derivative
+    # (it reads y), log_softmax's derivative alone (it reads x)
+    out = run(backend, f, x, dy, jnp.asarray(mask), jnp.asarray(rows), launches=14)
     for key, w in (("mask", mask), ("rows", np.broadcast_to(rows, shape))):
         x_in = np.where(w, np.asarray(x, np.float32), -np.inf).astype(dtype)
         dy_in = np.where(w, np.asarray(dy, np.float32), 0).astype(dtype)
@@ -324,8 +326,9 @@ def test_transforms(backend, dtype):
             )
         return out
 
-    # per op: the forward, two backwards, and in the Hessian the forward and its jvp
-    out = run(backend, f, x, w, launches=10)
+    # per op: the forward, two backwards (softmax's each with the forward whose y it
+    # reads), and in the Hessian the forward and its jvp
+    out = run(backend, f, x, w, launches=12)
     along_rows = reference_vjp(x, w)
     along_columns = reference_vjp(*(np.moveaxis(a, 1, -1) for a in (x, w)))
     hessian = reference_hessian(x[0, 0, :7], w[0, 0, :7])
