@@ -8,8 +8,8 @@ softmax kernel for two row lengths:
 Every op family declares, in its SPEC (see quack_jax/_registry.py), functions whose
 lowering for CUDA launches its kernels; the build lowers them, which compiles exactly the
 kernels a GPU run of them would launch, with any number of rows (each function is
-lowered a second time with every row count streamed: cross-entropy's long rows take
-streamed kernels from 2048 rows on, see quack_jax/_tiling.py). Norm and cross-entropy
+lowered again with every row count streamed and with none: cross-entropy's long rows
+take streamed kernels from 2048 rows on, see quack_jax/_tiling.py). Norm and cross-entropy
 kernels come in variants (norms: weight and bias dtypes, residual, output dtype;
 cross-entropy: label smoothing, softcap); the build covers the usual ones (no weight,
 weights in x's dtype or float32; with and without a residual, pre-norm or not; output in
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from . import _cache, _registry
-from ._primitive import lowering_path
+from ._primitive import MAX_ROWS, lowering_path
 from ._spec import QK_NORM_SIZES, OpSpec
 from ._tiling import ITEMSIZE, streamed_from
 
@@ -97,15 +97,16 @@ def lower_for_cuda(
     ``_primitive.lowering_path``): by default the kernels at every shape, also where the
     default lowering would pick XLA's path, so that builds hold every kernel.
     ``any_rows``: also the kernels that ``args`` would take with any other number of rows
-    (the streamed tilings of many rows, ``_tiling.streamed_from``)."""
+    (lowered again with every row count streamed and with none, ``_tiling.streamed_from``:
+    the tilings of many rows and of few)."""
     import jax
 
     with _lowering_arch(arch), lowering_path(path):
         # a fresh function each time: JAX's caches must not return an earlier lowering
         # (one made under another tiling override, say)
         text = jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
-        if any_rows:
-            with streamed_from(0):
+        for first in (0, MAX_ROWS + 1) if any_rows else ():
+            with streamed_from(first):
                 jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
         return text.as_text()
 

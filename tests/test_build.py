@@ -459,6 +459,25 @@ def test_every_norm_variant_compiles(cache):
 
 
 @pytest.mark.cutlass
+@pytest.mark.parametrize("rows", [8, 2 * STREAM_MIN_ROWS])
+def test_a_build_holds_the_kernels_of_every_row_count(cache, rows):
+    """Lowered at few rows or at many, a build gets both the register-resident forward
+    (fewer than STREAM_MIN_ROWS rows) and the streamed one (many rows) of a long row:
+    lowered only at 4096 rows, the latency benchmark's rows of 1 to 512 had no kernel."""
+    args = (
+        jax.ShapeDtypeStruct((rows, 131072), jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows,), jnp.int32),
+    )
+    with _cache.kernels_used() as used:
+        build.lower_for_cuda(
+            lambda x, labels: quack_jax.cross_entropy(x, labels, reduction="none"),
+            args,
+            any_rows=True,
+        )
+    assert {tiling.group > 0 for _, _, tiling, _ in used} == {False, True}
+
+
+@pytest.mark.cutlass
 def test_every_cross_entropy_variant_compiles(cache):
     """Forward kernels (with and without the gradient) and backward kernels, with and
     without label smoothing and softcap, each dtype, from a one-warp row to odd-length
