@@ -98,7 +98,9 @@ def _forward_abstract(x, *rest, rms, residual, out_dtype, **_):
     return outs + [stat] * (1 if rms else 2)
 
 
-def _reference_forward(x, *rest, rms, eps, offset, out_dtype, residual, weight, bias, row=WHOLE):
+def _reference_forward(
+    x, *rest, rms, eps, offset, out_dtype, residual, weight, bias, differentiated, row=WHOLE
+):
     res, w, b = _split(rest, residual, weight, bias)
     ct = compute_dtype(x.dtype)
     h = x if res is None else (x.astype(ct) + res.astype(ct)).astype(x.dtype)
@@ -120,7 +122,9 @@ def forward_live(residual, weight, bias):
     return 1 + residual + weight + bias
 
 
-def _forward_kernel(target: Target, avals_in, avals_out, *, rms, eps, offset, out_dtype, **flags):
+def _forward_kernel(
+    target: Target, avals_in, avals_out, *, rms, eps, offset, out_dtype, differentiated, **flags
+):
     x = avals_in[0]
     _, w, b = _split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
     widest = max(x.dtype.itemsize, avals_out[0].dtype.itemsize)
@@ -361,9 +365,10 @@ _tangent = RowwisePrimitive(
 # transpose) the backward kernel, with the cotangent of h (prenorm) added in it.
 
 
-def _outputs(forward, x, residual, weight, bias, cfg):
+def _outputs(forward, x, residual, weight, bias, cfg, differentiated=False):
     """The public results and the backward's residuals (h, stats), by ``forward`` (the
-    primitive's bind or its reference)."""
+    primitive's bind or its reference); ``differentiated``: under autodiff, where the
+    statistics feed the backward (the lowering's choice of path reads it)."""
     rms, eps, offset, out_dtype, prenorm = cfg
     operands = [a for a in (x, residual, weight, bias) if a is not None]
     outs = forward(
@@ -375,6 +380,7 @@ def _outputs(forward, x, residual, weight, bias, cfg):
         residual=residual is not None,
         weight=weight is not None,
         bias=bias is not None,
+        differentiated=differentiated,
     )
     y, stats = outs[0], outs[1 + (residual is not None) :]
     h = x if residual is None else outs[1]
@@ -391,7 +397,7 @@ def _norm_jvp(cfg, primals, tangents):
     rms, _, offset, out_dtype, prenorm = cfg
     x, residual, weight, bias = primals
     tx, tres, tw, tb = tangents
-    out, h, stats = _outputs(_forward.bind, x, residual, weight, bias, cfg)
+    out, h, stats = _outputs(_forward.bind, x, residual, weight, bias, cfg, differentiated=True)
     th = tx if residual is None else tx + tres
     operands = [a for a in (th, tw, tb, h, weight) if a is not None]
     tangent = _tangent.bind(
@@ -486,8 +492,9 @@ def rms_norm(
       weight_offset: added to the weight (1.0 for Gemma's ``(1 + w)`` scaling).
       out_dtype: dtype of the result (default x's).
       implementation: None (the kernels on a CUDA sm_90 device, except the forward up
-        to 8 MiB of input and RMSNorm's over rows of at most 256 elements, which lower
-        to XLA's formulation where that measured faster; the XLA fallback elsewhere) or
+        to 32 MiB of input and RMSNorm's over rows of at most 256 elements outside
+        autodiff, which lower to XLA's formulation where that measured faster; the XLA
+        fallback elsewhere) or
         "xla": a plain jnp formulation that JAX differentiates, with no quack_jax
         primitive in the program (to bisect a numerics difference). None follows
         ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.

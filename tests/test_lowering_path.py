@@ -1,9 +1,9 @@
 """The lowering's choice of path by shape (``_primitive.REFERENCE_FASTER``): small softmax
-and norm forwards, and RMSNorm's over QK-norm rows, lower to XLA's formulation, and every
-other kernel stays; ``lowering_path`` overrides the choice, and bad paths raise
-ValueError. On the GPU, the forward on XLA's path and the backward kernel together give
-the float64 result. (Every other test lowers with ``lowering_path("kernel")``: see
-conftest.py.)"""
+and norm forwards, and RMSNorm's over QK-norm rows, lower to XLA's formulation, except
+the norm forward under autodiff, and every other kernel stays; ``lowering_path``
+overrides the choice, and bad paths raise ValueError. On the GPU, the training path at a
+small shape gives the float64 result. (Every other test lowers with
+``lowering_path("kernel")``: see conftest.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,22 @@ def test_qk_norm_forward_lowers_to_xla():
     assert launches(rms, 2**21, n=QK_NORM) == 0
 
 
+def grad_of(fn):
+    return jax.grad(lambda x: jnp.sum(fn(x).astype(jnp.float32)))
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm"])
+def test_small_norm_forward_under_autodiff_keeps_its_kernel(name):
+    """Training at a small shape: the norm forward (whose statistics the backward kernel
+    reads) and the backward launch their kernels; QK-norm rows too."""
+    fn, _ = FORWARDS[name]
+    assert launches(grad_of(fn), 8) == 2
+    if name == "rms_norm":
+        rms = lambda x: quack_jax.rms_norm(x, jnp.ones(x.shape[-1]))  # noqa: E731
+        assert launches(grad_of(rms), 2**21, n=QK_NORM) == 2
+
+
 @pytest.mark.cutlass
 @pytest.mark.parametrize("name", ["softmax", "rms_norm", "layer_norm"])
 def test_larger_forwards_and_forced_kernels_launch(name):
@@ -66,9 +82,9 @@ def test_lowering_path_rejects_unknown_paths():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["softmax", "rms_norm"])
-def test_small_forward_on_xla_with_the_backward_kernel(name):
-    """The training path at a small shape: XLA's forward, then the backward kernel."""
+@pytest.mark.parametrize(("name", "kernels"), [("softmax", 1), ("rms_norm", 2)])
+def test_the_training_path_at_a_small_shape(name, kernels):
+    """softmax: XLA's forward, then the backward kernel; rms_norm: both kernels."""
     x = np.random.default_rng(7).standard_normal((8, N), np.float32)
     dy = np.random.default_rng(8).standard_normal((8, N), np.float32)
     fn, _ = FORWARDS[name]
@@ -78,7 +94,7 @@ def test_small_forward_on_xla_with_the_backward_kernel(name):
 
     with lowering_path("auto"):
         lowered = jax.jit(jax.value_and_grad(loss)).lower(x)
-        assert lowered.as_text().count(f"custom_call @{_ffi.TARGET}") == 1  # the backward
+        assert lowered.as_text().count(f"custom_call @{_ffi.TARGET}") == kernels
         value, grad = lowered.compile()(x)
     x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), W.astype(np.float64)
     if name == "softmax":
