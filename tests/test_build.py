@@ -368,15 +368,17 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
     rows_per_cta = choose_tiling("softmax_fwd", 1000, 2).rows_per_cta
     assert f"grid = dense<[{-(-28 // rows_per_cta)}, 1, 1]>" in text
     assert "scalars = dense<28>" in text
-    # Only the derivative kernel runs when nothing uses the forward output.
+    # log-softmax's derivative reads x: only it runs when nothing uses the forward output;
+    # softmax's reads y, so its forward kernel runs too
     jvp_text = lowered(lambda x: jax.jvp(quack_jax.log_softmax, (x,), (x,))[1], x)
     assert jvp_text.count(f"custom_call @{_ffi.TARGET}") == 1
     vjp_text = lowered(lambda x: jax.vjp(quack_jax.softmax, x)[1](x)[0], x)
-    assert vjp_text.count(f"custom_call @{_ffi.TARGET}") == 1
+    assert vjp_text.count(f"custom_call @{_ffi.TARGET}") == 2
     assert {k[0] for k in _cache._memory} == {
         "log_softmax_fwd",
         "log_softmax_bwd",
         "log_softmax_jvp",
+        "softmax_fwd",
         "softmax_bwd",
     }
     # float64 has no kernel, nor an empty array: both lower to the XLA reference
