@@ -494,10 +494,10 @@ def rms_norm(
       implementation: None (the kernels on a CUDA sm_90 device, except the forward up
         to 32 MiB of input and RMSNorm's over rows of at most 256 elements outside
         autodiff, which lower to XLA's formulation where that measured faster; the XLA
-        fallback elsewhere) or
-        "xla": a plain jnp formulation that JAX differentiates, with no quack_jax
-        primitive in the program (to bisect a numerics difference). None follows
-        ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace time.
+        fallback elsewhere) or "xla": a plain jnp formulation that JAX differentiates,
+        with no quack_jax primitive in the program (to bisect a numerics difference).
+        None follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace
+        time.
 
     Returns:
       y, or ``(y, h)`` with ``prenorm``. ``jax.grad`` runs one backward kernel for dx
