@@ -13,7 +13,7 @@ registry's build functions, and the cases that the test modules with GPU tests,
 ``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``.
 Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
 kernels (variants, tilings) those functions launch get built, for any number of rows
-(each function is lowered again with every row count streamed and with none; see
+(each function is lowered twice, with every row count streamed and with none; see
 ``quack_jax.build.lower_for_cuda``'s ``any_rows``).
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.

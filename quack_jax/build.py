@@ -8,7 +8,7 @@ softmax kernel for two row lengths:
 Every op family declares, in its SPEC (see quack_jax/_registry.py), functions whose
 lowering for CUDA launches its kernels; the build lowers them, which compiles exactly the
 kernels a GPU run of them would launch, with any number of rows (each function is
-lowered again with every row count streamed and with none: cross-entropy's long rows
+lowered twice, with every row count streamed and with none: cross-entropy's long rows
 take streamed kernels from 2048 rows on, see quack_jax/_tiling.py). Norm and cross-entropy
 kernels come in variants (norms: weight and bias dtypes, residual, output dtype;
 cross-entropy: label smoothing, softcap); the build covers the usual ones (no weight,
@@ -96,19 +96,23 @@ def lower_for_cuda(
     compiles every kernel it launches; returns the StableHLO text. ``path`` (see
     ``_primitive.lowering_path``): by default the kernels at every shape, also where the
     default lowering would pick XLA's path, so that builds hold every kernel.
-    ``any_rows``: also the kernels that ``args`` would take with any other number of rows
-    (lowered again with every row count streamed and with none, ``_tiling.streamed_from``:
-    the tilings of many rows and of few)."""
+    ``any_rows``: the kernels that ``args`` would take with any number of rows, lowered
+    once with every row count streamed and once with none (``_tiling.streamed_from``: the
+    tilings of many rows and of few); the text is the second's."""
     import jax
 
+    regimes = (
+        [streamed_from(0), streamed_from(MAX_ROWS + 1)] if any_rows else [contextlib.nullcontext()]
+    )
     with _lowering_arch(arch), lowering_path(path):
-        # a fresh function each time: JAX's caches must not return an earlier lowering
-        # (one made under another tiling override, say)
-        text = jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
-        for first in (0, MAX_ROWS + 1) if any_rows else ():
-            with streamed_from(first):
-                jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
-        return text.as_text()
+        for regime in regimes:
+            # a fresh function each time: JAX's caches must not return an earlier
+            # lowering (one made under another tiling override or regime, say)
+            with regime:
+                lowered = (
+                    jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+                )
+        return lowered.as_text()
 
 
 def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = False) -> None:
