@@ -21,7 +21,10 @@ same bit for bit on every run with the same grid.
 
 Both grids are persistent: each CTA reads the weights once, then walks row blocks
 bx, bx + gridDim.x, ..., with the next blocks on their way into shared memory (cp.async)
-while it works on the current one.
+while it works on the current one. A forward compiled without ``staged`` loads each
+block straight into registers instead: for a grid of one CTA per row block, where
+there is no next block to prefetch and the stages' shared memory would only cost
+occupancy.
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ from .rowwise import RowKernel
 class NormForward(RowKernel):
     copies = 2  # reductions alternate between two buffers
 
-    def __init__(self, dtype, tiling, *, rms, residual=False, weight=None, bias=None, out=None):
+    def __init__(
+        self, dtype, tiling, *, rms, residual=False, weight=None, bias=None, out=None, staged=True
+    ):
         super().__init__(dtype, tiling)
-        self.rms, self.residual = rms, residual
+        self.rms, self.residual, self.staged = rms, residual, staged
         self.weight, self.bias, self.out = weight, bias, out or dtype
-        self.smem_bytes += self.stage_bytes([dtype.width // 8] * (1 + residual))
+        if staged:
+            self.smem_bytes += self.stage_bytes([dtype.width // 8] * (1 + residual))
 
     def compile_args(self):
         p, stat = self.pointer, lambda: self.pointer(Float32, row=False)
@@ -76,17 +82,20 @@ class NormForward(RowKernel):
         outputs = [py, ph] if const_expr(self.residual) else [py]
         smem = cutlass.memory.SmemAllocator()
         reduction = self.start_cluster(smem)
-        stages = self.allocate_stages(smem, [self.dtype] * len(inputs))
-        self.pipeline(m, inputs, stages)
+        if const_expr(self.staged):
+            stages = self.allocate_stages(smem, [self.dtype] * len(inputs))
+            self.pipeline(m, inputs, stages)
         first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         vectors = [v for v in (pw, pb) if const_expr(v is not None)]
         vecs = self.load_vectors(self.view(m, first, [], [], vectors))
         scale = vecs[0] + offset if const_expr(self.weight is not None) else None
         fills = (0.0,) * len(inputs)
         for it in cutlass.range(self.iterations(m)):
-            stage = self.advance(m, it, inputs, stages)
             cta = self.view(m, first + it * stride, inputs, outputs)
-            rows = self.take(cta, stages, stage, fills)
+            if const_expr(self.staged):
+                rows = self.take(cta, stages, self.advance(m, it, inputs, stages), fills)
+            else:
+                rows = self.load(cta, fills)
             h = rows[0]
             if const_expr(self.residual):
                 h = self.rounded(rows[0] + rows[1], self.dtype)

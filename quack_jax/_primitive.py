@@ -201,12 +201,19 @@ def persistent_grid(one_wave: bool):
     """Inside the block, persistent kernels are lowered to one wave of clusters
     (``one_wave``) or to one CTA per row block, whatever their family's rule
     (``_tiling.one_wave``): the benchmark's tuner times both. The kernels loop over the
-    blocks they are given, so only the grid changes."""
+    blocks they are given; the norm forward's also picks its variant by the grid (see
+    ``grid_is_one_wave``)."""
     _grids.append(one_wave)
     try:
         yield
     finally:
         _grids.pop()
+
+
+def grid_is_one_wave(one_wave: bool) -> bool:
+    """Whether a persistent kernel whose family's rule gives ``one_wave`` is launched on
+    one wave: the rule, unless ``persistent_grid`` forces the grid."""
+    return one_wave if _grids[-1] is None else _grids[-1]
 
 
 def persistent_call(target: Target, config: KernelConfig, aval, tiling, results, one_wave=True):
@@ -217,7 +224,7 @@ def persistent_call(target: Target, config: KernelConfig, aval, tiling, results,
     m = rows(aval)
     kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     ctas = -(-m // tiling.rows_per_cta)
-    if one_wave if _grids[-1] is None else _grids[-1]:
+    if grid_is_one_wave(one_wave):
         ctas = min(ctas, resident_clusters(kernel, tiling, target))
     grid = (ctas, tiling.cluster_n, 1)
     scalars = (m, *config.scalars())

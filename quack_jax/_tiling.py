@@ -208,8 +208,9 @@ _TABLES["rms_norm_fwd", 2] = [
 ]
 _TABLES["rms_norm_fwd", 4] = [
     (1 * _K, (32, 256, 1)),
-    (4 * _K, (32, 256, 2)),
-    (8 * _K, (256, 256, 1)),
+    (2 * _K, (32, 256, 1)),
+    (4 * _K, (128, 256, 1)),
+    (8 * _K, (128, 128, 2)),
     (16 * _K, (32, 256, 8)),
     (64 * _K, (128, 128, 8)),
 ]
@@ -235,9 +236,10 @@ _TABLES["layer_norm_fwd", 2] = [
     (64 * _K, (256, 256, 8)),
 ]
 _TABLES["layer_norm_fwd", 4] = [
-    (1 * _K, (32, 512, 1)),
-    (4 * _K, (32, 256, 4)),
-    (8 * _K, (32, 256, 8)),
+    (1 * _K, (32, 128, 1)),
+    (2 * _K, (64, 256, 1)),
+    (4 * _K, (128, 256, 1)),
+    (8 * _K, (256, 256, 1)),
     (16 * _K, (64, 512, 8)),
     (64 * _K, (256, 256, 8)),
 ]
@@ -256,10 +258,12 @@ _TABLES["layer_norm_bwd", 4] = [
     (64 * _K, (512, 512, 8)),
 ]
 # Persistent kernels launch one wave of clusters, except for rows up to these lengths,
-# where one CTA per row block measured faster: the float32 norm forwards at n = 1024
-# (+11% RMSNorm, +7% LayerNorm; at 4096 and above, and in bfloat16, one wave was as fast
-# or faster).
-_FULL_GRID_UP_TO = {("rms_norm_fwd", 4): 1 * _K, ("layer_norm_fwd", 4): 1 * _K}
+# where one CTA per row block measured faster: the float32 norm forwards up to n = 8192,
+# which on that grid load their rows straight into registers (``kernels/norm.py``'s
+# ``staged``). Their table entries up to 8192 are tuned for that kernel (2026-12-01, fifth
+# session, in benchmarks/NOTES.md): +5-10% RMSNorm, +2-13% LayerNorm over one staged
+# wave; at 16384 and in bfloat16 one staged wave was as fast or faster.
+_FULL_GRID_UP_TO = {("rms_norm_fwd", 4): 8 * _K, ("layer_norm_fwd", 4): 8 * _K}
 # Cross-entropy: the forward reduces a row like softmax's forward (reads only); the
 # backward is elementwise, so long rows are split into column blocks of separate CTAs
 # (``cluster_n`` of them, launched without a cluster) of about 32 elements a thread.
@@ -306,8 +310,8 @@ _stream_min_rows = [STREAM_MIN_ROWS]
 @contextlib.contextmanager
 def streamed_from(rows: int):
     """Streamed tilings from ``rows`` rows on while tracing inside the block: a build
-    lowers its functions again with 0, so that it holds the kernels that any number of
-    rows takes."""
+    lowers its functions with 0 and with more rows than any, so that it holds the kernels
+    that any number of rows takes (``build.lower_for_cuda``'s ``any_rows``)."""
     _stream_min_rows.append(rows)
     try:
         yield
@@ -432,16 +436,17 @@ def candidate_tilings(
                 fitting.append(tiling)
         out += fitting[:2]
     if _streamable(family, n, itemsize):
-        out += _streamed_candidates(n, vec)
+        out += _streamed_candidates(n, max(itemsize, vec_itemsize or 0))
     return out
 
 
-def _streamed_candidates(n: int, vec: int) -> list[RowTiling]:
-    """Streamed tilings of rows long enough to take several steps: a row per CTA of 128
-    to 1024 threads, on clusters of 1 to 8 CTAs, 16 or 32 elements a thread per step."""
+def _streamed_candidates(n: int, itemsize: int) -> list[RowTiling]:
+    """Streamed tilings of rows (of elements up to ``itemsize`` bytes) long enough to take
+    several steps: a row per CTA of 128 to 1024 threads, on clusters of 1 to 8 CTAs, 16 or
+    32 elements a thread per step."""
     out = []
     for tpr, cluster, elems in itertools.product((128, 256, 512, 1024), (1, 2, 4, 8), (16, 32)):
-        tiling = make_tiling(n, 16 // vec, tpr, tpr, cluster, elems)
+        tiling = make_tiling(n, itemsize, tpr, tpr, cluster, elems)
         if tiling.steps > 1 and tiling.cluster_n == cluster:
             out.append(tiling)
     return out

@@ -27,7 +27,14 @@ from ._checks import float_array, static_float
 from ._configs import KernelConfig, option, scalar
 from ._implementation import use_xla
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
-from ._primitive import RowwisePrimitive, Target, compute_dtype, persistent_call, row_tiling
+from ._primitive import (
+    RowwisePrimitive,
+    Target,
+    compute_dtype,
+    grid_is_one_wave,
+    persistent_call,
+    row_tiling,
+)
 from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
 from ._tiling import one_wave
 
@@ -43,6 +50,7 @@ class NormForward(KernelConfig):
     weight: str | None = option()
     bias: str | None = option()
     out: str | None = option()
+    staged: bool = option(True)  # row blocks prefetched through shared memory (one wave)
     eps: float = scalar(0.0)
     offset: float | None = scalar()  # with a weight only
 
@@ -128,8 +136,11 @@ def _forward_kernel(
     x = avals_in[0]
     _, w, b = _split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
     widest = max(x.dtype.itemsize, avals_out[0].dtype.itemsize)
-    staged = x.dtype.itemsize * (1 + flags["residual"])
     family = f"{'rms' if rms else 'layer'}_norm_fwd"
+    # one wave prefetches the next row blocks through shared memory; a grid of one CTA
+    # per row block loads its block straight into registers
+    wave = grid_is_one_wave(one_wave(family, x.shape[-1], x.dtype.itemsize))
+    staged = x.dtype.itemsize * (1 + flags["residual"]) if wave else None
     tiling = row_tiling(x, family, widest, forward_live(**flags), staged)
     if tiling is None:
         return None
@@ -141,8 +152,8 @@ def _forward_kernel(
         out=out_dtype if out_dtype != x.dtype.name else None,
         eps=float(eps),
         offset=float(offset) if w is not None else None,
+        staged=wave,
     )
-    wave = one_wave(family, x.shape[-1], x.dtype.itemsize)
     return persistent_call(target, config, x, tiling, lambda ctas: avals_out, wave)
 
 

@@ -391,7 +391,8 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
 def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     """``_cache.kernels_used`` lists the kernels a lowering takes; a persistent kernel
     gets one wave, or one CTA per row block where its family's rule says so (the float32
-    norm forwards at n = 1024) or inside ``_primitive.persistent_grid(False)``."""
+    norm forwards up to n = 8192) or inside ``_primitive.persistent_grid(False)``. The
+    norm forward stages its rows in shared memory on one wave only."""
     monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
     x = jnp.zeros((65536, 1024), jnp.bfloat16)
 
@@ -408,15 +409,20 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     assert used == again == outer
     ((op, dtype, tiling, variant),) = used
     assert (op, dtype, variant) == ("rms_norm_fwd", "bfloat16", ())
-    with persistent_grid(one_wave=False):
+    with persistent_grid(one_wave=False), _cache.kernels_used() as used:
         assert grid() == 65536 // tiling.rows_per_cta > one_wave
+    assert [variant for *_, variant in used] == [(("staged", False),)]
     assert grid() == one_wave
-    with _cache.kernels_used() as used:
-        full = grid(x.astype(jnp.float32))
-    ((_, dtype, tiling, _),) = used
-    assert dtype == "float32" and full == 65536 // tiling.rows_per_cta
-    with persistent_grid(one_wave=True):
-        assert grid(x.astype(jnp.float32)) < full
+    for n in (1024, 8192):
+        x32 = jnp.zeros((65536, n), jnp.float32)
+        with _cache.kernels_used() as used:
+            full = grid(x32)
+        ((_, dtype, tiling, variant),) = used
+        assert dtype == "float32" and full == 65536 // tiling.rows_per_cta
+        assert variant == (("staged", False),)
+        with persistent_grid(one_wave=True), _cache.kernels_used() as used:
+            assert grid(x32) < full
+        assert [variant for *_, variant in used] == [()]
 
 
 @pytest.mark.cutlass
