@@ -8,9 +8,10 @@
 
 Every kernel is built by lowering, for an sm_90a CUDA device on this machine, the
 functions that launch it: the benchmark's quack_jax functions (and, with ``--tune``, each
-tuned kernel under each candidate tiling), the softmax GPU tests' sizes through the op
-registry's build functions, and the cases that the test modules with GPU tests,
-``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in ``prebuild_cases()``.
+tuned kernel under each candidate tiling, on both grids where the tuner times both), the
+softmax GPU tests' sizes through the op registry's build functions, and the cases that
+the test modules with GPU tests, ``sharded.py``, ``train_lm.py`` and ``linear_ce.py``
+list in ``prebuild_cases()``.
 Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
 kernels (variants, tilings) those functions launch get built, for any number of rows
 (each function is lowered twice, with every row count streamed and with none; see
@@ -38,6 +39,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 import jax  # noqa: E402
 
 from quack_jax import _cache, _ffi, bench  # noqa: E402
+from quack_jax._primitive import persistent_grid  # noqa: E402
 from quack_jax._registry import specs  # noqa: E402
 from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
@@ -66,6 +68,7 @@ class Lowering(NamedTuple):
     args: tuple  # jax.ShapeDtypeStruct
     tiling: tuple[str, int, int, RowTiling] | None = None  # override_tiling's arguments
     needs_kernel: bool = True  # lowering without a kernel launch is an error
+    one_wave: bool | None = None  # persistent_grid's argument (None: each family's rule)
 
 
 def _benchmark_shapes(ops=BENCH_OPS):
@@ -99,9 +102,13 @@ def tuning_lowerings(defaults, ops=BENCH_OPS) -> list[Lowering]:
         e = ITEMSIZE[dtype]
         for t in op.tuned:
             operands = tuple(jax.eval_shape(t.prepare, *args))
-            for tiling in t.candidates(n, e, defaults.get((f"{op.name}_{t.name}", dtype, n))):
-                label = f"{op.name} {t.name} {dtype} n={n} {tiling.tag}"
-                out.append(Lowering(label, t.fn, operands, (t.family, n, e, tiling)))
+            default = defaults.get((f"{op.name}_{t.name}", dtype, n))
+            for one_wave in t.grids(n, e):  # as the tuner times them (``bench.bench_shape``)
+                for tiling in t.candidates(n, e, default, one_wave):
+                    label = f"{op.name} {t.name} {dtype} n={n} {tiling.tag}"
+                    label += "" if one_wave else "+full-grid"
+                    override = (t.family, n, e, tiling)
+                    out.append(Lowering(label, t.fn, operands, override, one_wave=one_wave))
     return out
 
 
@@ -147,7 +154,8 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
 
 def _lower(low: Lowering, arch: str) -> int:
     """Lower one function for CUDA; returns how many kernel launches it holds."""
-    with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext():
+    grid = contextlib.nullcontext() if low.one_wave is None else persistent_grid(low.one_wave)
+    with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext(), grid:
         text = lower_fn(low.fn, low.args, arch, any_rows=True)
     launches = text.count(f"custom_call @{_ffi.TARGET}")
     if low.needs_kernel and not launches:

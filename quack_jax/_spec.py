@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 
+from . import _tiling
 from ._tiling import RowTiling, candidate_tilings, choose_tiling
 
 # (op, dtype, n, packaged) -> (fn, args): functions whose lowering for CUDA launches, so
@@ -74,16 +75,26 @@ class Tuned:
     prepare: Callable  # the op's arguments -> fn's
     live: Callable[[], int] | None = None  # float32 values per element: the register budget
     staged_rows: int = 0  # row inputs staged in shared memory (persistent kernels)
-    # time the candidates on one wave, and the fastest also on one CTA per row block
+    # time the candidates on one wave and on one CTA per row block, where the norm forward
+    # loads its rows straight into registers (no staging)
     full_grid: bool = False
 
-    def candidates(self, n: int, itemsize: int, default: RowTiling | None) -> list[RowTiling]:
-        """The tuner's candidates: the tiling the op launches (``default``; for a kernel
-        that the benchmark's paths do not launch, the family's choice), then the library's
-        candidate tilings of the same vector width."""
+    def grids(self, n: int, itemsize: int) -> tuple[bool, ...]:
+        """The grids the candidates are timed on, as ``persistent_grid``'s ``one_wave``:
+        the one the op launches first."""
+        launched = _tiling.one_wave(self.family, n, itemsize)
+        return (launched, not launched) if self.full_grid else (True,)
+
+    def candidates(
+        self, n: int, itemsize: int, default: RowTiling | None, one_wave: bool = True
+    ) -> list[RowTiling]:
+        """The tuner's candidates on a grid: the tiling the op launches (``default``; for a
+        kernel that the benchmark's paths do not launch, the family's choice), then the
+        library's candidate tilings of the same vector width (within the staged rows'
+        shared memory on one wave)."""
         default = default or choose_tiling(self.family, n, itemsize)
         budget = {} if self.live is None else {"live": self.live()}
-        if self.staged_rows:
+        if self.staged_rows and one_wave:
             budget["staged_bytes"] = self.staged_rows * itemsize
         found = candidate_tilings(self.family, n, itemsize, 16 // default.vec, **budget)
         return list(dict.fromkeys([default, *found]))

@@ -46,8 +46,9 @@ kernel by itself (softmax's derivative; the norms' and cross-entropy's backward
 primitives with the saved statistics precomputed), cross-entropy's forward that also
 writes the gradient, and token_logprobs' forward and backward with the entropy; the
 cross-entropy kernels' candidates include streamed tilings. The persistent norm kernels'
-candidates run on one wave of clusters, and the three fastest also on one CTA per row
-block (tag +full-grid).
+candidates run on one wave of clusters; the norm forward's also on one CTA per row block
+(tag +full-grid), where it loads its rows straight into registers, so that its
+candidates there need not fit the staged rows' shared memory.
 
 --latency times each op at small and decode shapes (each op's latency_shapes: M from 1
 to 4096 rows at the family's row lengths, and QK-norm's rows for rms_norm), in bfloat16
@@ -94,7 +95,6 @@ from quack_jax._tiling import ITEMSIZE, override_tiling
 DTYPES = ["bfloat16", "float32"]
 TARGET_BYTES = 10e9
 TUNE_BYTES = 2e9  # tuning ranks candidates, so it can afford a larger dispatch share
-FULL_GRID_CANDIDATES = 3  # persistent kernels: the fastest tilings also timed on a full grid
 MEMORY_BUDGET = 60e9
 CALLS_PER_SAMPLE = 3
 LATENCY_INPUTS = 32  # ops per timed call with --latency
@@ -273,13 +273,11 @@ def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
             prepare = jax.jit(t.prepare)
             inputs = [prepare(*a) for a in arguments[:k]]
             results = row[f"tune_{t.name}"] = {}
-            candidates = {c.tag: c for c in t.candidates(n, e, tilings.get(t.name))}
-            for tag, tiling in candidates.items():
-                tune_tiling(t, (dtype, m, n), tiling, tag, inputs, reps, results)
-            if t.full_grid:  # the fastest, also on a grid of one CTA per row block
-                for tag in sorted(results, key=results.get)[:FULL_GRID_CANDIDATES]:
-                    tiling = candidates[tag]
-                    tune_tiling(t, (dtype, m, n), tiling, f"{tag}+full-grid", inputs, reps, results)
+            for one_wave in t.grids(n, e):
+                suffix = "" if one_wave else "+full-grid"
+                for tiling in t.candidates(n, e, tilings.get(t.name), one_wave):
+                    tag = tiling.tag + suffix
+                    tune_tiling(t, (dtype, m, n), tiling, tag, inputs, reps, results)
             del inputs
     del arguments
     return row

@@ -175,7 +175,8 @@ def test_every_tuned_kernel_runs_on_its_candidates(name):
     n = op.quick_shapes[-1][1]
     arguments = bench.make_inputs(op.arguments(4, n, "float32"), 1, seed=0)[0]
     for t in op.tuned:
-        assert t.candidates(n, 4, None), t.name
+        for one_wave in t.grids(n, 4):
+            assert t.candidates(n, 4, None, one_wave), t.name
         out = jax.jit(t.fn)(*jax.jit(t.prepare)(*arguments))
         for leaf in jax.tree.leaves(out):
             assert jnp.all(jnp.isfinite(leaf)), (name, t.name)

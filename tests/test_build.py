@@ -46,13 +46,18 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-@pytest.mark.cutlass
-def test_every_softmax_test_and_benchmark_kernel_compiles(cache):
+def import_prebuild():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import prebuild
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return prebuild
+
+
+@pytest.mark.cutlass
+def test_every_softmax_test_and_benchmark_kernel_compiles(cache):
+    prebuild = import_prebuild()
     lowerings = prebuild.softmax_test_lowerings() + prebuild.benchmark_lowerings(("softmax",))
     kernels = prebuild.lower_for_cuda(lowerings, "softmax", verbose=False)
     assert len(kernels) > 100
@@ -62,6 +67,22 @@ def test_every_softmax_test_and_benchmark_kernel_compiles(cache):
         entry = json.loads(path.read_text())
         assert cubin_arch(base64.b64decode(entry["cubin"])) == 90
         assert entry["symbol"].startswith("kernel_")
+
+
+def test_the_tuner_builds_the_norm_forward_on_both_grids():
+    """``prebuild.py --tune`` lowers the norm forward's candidates as the tuner times
+    them: on one wave, within the staged rows' shared memory, and on one CTA per row
+    block (+full-grid), where the kernel stages nothing and more tilings fit."""
+    prebuild = import_prebuild()
+    lowerings = [
+        low
+        for low in prebuild.tuning_lowerings({}, ("rms_norm",))
+        if low.label.startswith("rms_norm fwd float32 n=8192 ")
+    ]
+    assert all(low.label.endswith("+full-grid") == (not low.one_wave) for low in lowerings)
+    staged = {low.tiling[3] for low in lowerings if low.one_wave}
+    direct = {low.tiling[3] for low in lowerings if not low.one_wave}
+    assert staged < direct
 
 
 @pytest.mark.cutlass
