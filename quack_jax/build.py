@@ -143,7 +143,14 @@ def packaged_sizes(spec: OpSpec) -> list[int]:
 
 
 def build_packaged(arch: str, verbose: bool = True) -> None:
-    """The kernels that ship in the wheel: every op and dtype, at ``packaged_sizes``."""
+    """The kernels that ship in the wheel: every op and dtype, at ``packaged_sizes``, into
+    the cache folder. Its entries of other sources (``_cache.source_hash``: the kernels or
+    the tiling changed since), which no lookup finds, are removed first, so that the wheel
+    does not carry them."""
+    current = f"-{_cache.source_hash()}-"
+    for entry in _cache.cache_dir().glob("*.json"):
+        if current not in entry.name:
+            entry.unlink()
     for op, spec in _registry.specs().items():
         build([op], DTYPES, packaged_sizes(spec), arch, verbose, packaged=True)
 

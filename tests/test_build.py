@@ -85,6 +85,20 @@ def test_the_tuner_builds_the_norm_forward_on_both_grids():
     assert staged < direct
 
 
+def test_the_packaged_build_removes_entries_of_other_sources(cache, monkeypatch):
+    """An entry of an earlier kernel source would never load, and must not ship."""
+    from quack_jax import build
+
+    cache.mkdir()
+    current = cache / f"softmax_fwd-float32-n8-t8x128c1v1-sm_90a-{_cache.source_hash()}-dsl4.json"
+    stale = cache / "softmax_fwd-float32-n8-t8x128c1v1-sm_90a-0123456789abcdef-dsl4.json"
+    current.write_text("{}")
+    stale.write_text("{}")
+    monkeypatch.setattr(build._registry, "specs", dict)  # no op to build
+    build.build_packaged("sm_90a", verbose=False)
+    assert sorted(cache.iterdir()) == [current]
+
+
 @pytest.mark.cutlass
 def test_cache_reuses_and_repairs_entries(cache):
     tiling = choose_tiling("softmax_fwd", 4096, 2)
