@@ -103,12 +103,10 @@ def tuning_lowerings(defaults, ops=BENCH_OPS) -> list[Lowering]:
         for t in op.tuned:
             operands = tuple(jax.eval_shape(t.prepare, *args))
             default = defaults.get((f"{op.name}_{t.name}", dtype, n))
-            for one_wave in t.grids(n, e):  # as the tuner times them (``bench.bench_shape``)
-                for tiling in t.candidates(n, e, default, one_wave):
-                    label = f"{op.name} {t.name} {dtype} n={n} {tiling.tag}"
-                    label += "" if one_wave else "+full-grid"
-                    override = (t.family, n, e, tiling)
-                    out.append(Lowering(label, t.fn, operands, override, one_wave=one_wave))
+            for tag, tiling, one_wave in t.runs(n, e, default):
+                label = f"{op.name} {t.name} {dtype} n={n} {tag}"
+                override = (t.family, n, e, tiling)
+                out.append(Lowering(label, t.fn, operands, override, one_wave=one_wave))
     return out
 
 

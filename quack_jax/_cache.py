@@ -135,6 +135,12 @@ def entry_stem(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple
     return f"{op}{variant_tag(variant)}-{dtype}-n{tiling.n}-{tiling.tag}-{arch}-{source_hash()}"
 
 
+def stale_entries(folder: pathlib.Path) -> list[pathlib.Path]:
+    """The entries in ``folder`` of other kernel sources (``source_hash``), which no
+    lookup finds."""
+    return [p for p in folder.glob("*.json") if f"-{source_hash()}-dsl" not in p.name]
+
+
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
     """The build command for kernel ``op``: its public ops from the op registry."""
     public = " ".join(_registry.public_ops(op))

@@ -99,6 +99,16 @@ class Tuned:
         found = candidate_tilings(self.family, n, itemsize, 16 // default.vec, **budget)
         return list(dict.fromkeys([default, *found]))
 
+    def runs(self, n: int, itemsize: int, default: RowTiling | None) -> list[tuple]:
+        """What the tuner times, and ``prebuild.py --tune`` builds: (tag, tiling,
+        one_wave) for each candidate on each grid; the tag ends in +full-grid on one CTA
+        per row block."""
+        return [
+            (tiling.tag + ("" if one_wave else "+full-grid"), tiling, one_wave)
+            for one_wave in self.grids(n, itemsize)
+            for tiling in self.candidates(n, itemsize, default, one_wave)
+        ]
+
 
 @dataclasses.dataclass(frozen=True)
 class Benchmark:

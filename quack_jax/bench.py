@@ -226,14 +226,14 @@ def input_count(op: Benchmark, size: int, quick: bool = False, latency: bool = F
     return int(min(max(10, math.ceil(TARGET_BYTES / (2 * size))), most))
 
 
-def tune_tiling(t: Tuned, shape, tiling, tag, inputs, reps, results):
-    """Times ``t``'s kernel alone with ``tiling`` (on a full grid where ``tag`` ends in
-    +full-grid) into ``results[tag]``, and prints the rate; a candidate that fails to
-    launch (e.g. too much shared memory) is printed and skipped."""
+def tune_tiling(t: Tuned, shape, tiling, tag, one_wave, inputs, reps, results):
+    """Times ``t``'s kernel alone with ``tiling`` (on one wave, or with ``one_wave``
+    false on one CTA per row block) into ``results[tag]``, and prints the rate; a
+    candidate that fails to launch (e.g. too much shared memory) is printed and skipped."""
     dtype, m, n = shape
     size = m * n * ITEMSIZE[dtype]
     try:
-        grid = persistent_grid(one_wave=not tag.endswith("+full-grid"))
+        grid = persistent_grid(one_wave)
         with override_tiling(t.family, n, ITEMSIZE[dtype], tiling), grid:
             results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
     except RuntimeError as error:  # at lowering (the occupancy query) or at run time
@@ -273,11 +273,8 @@ def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
             prepare = jax.jit(t.prepare)
             inputs = [prepare(*a) for a in arguments[:k]]
             results = row[f"tune_{t.name}"] = {}
-            for one_wave in t.grids(n, e):
-                suffix = "" if one_wave else "+full-grid"
-                for tiling in t.candidates(n, e, tilings.get(t.name), one_wave):
-                    tag = tiling.tag + suffix
-                    tune_tiling(t, (dtype, m, n), tiling, tag, inputs, reps, results)
+            for tag, tiling, one_wave in t.runs(n, e, tilings.get(t.name)):
+                tune_tiling(t, (dtype, m, n), tiling, tag, one_wave, inputs, reps, results)
             del inputs
     del arguments
     return row

@@ -147,10 +147,8 @@ def build_packaged(arch: str, verbose: bool = True) -> None:
     the cache folder. Its entries of other sources (``_cache.source_hash``: the kernels or
     the tiling changed since), which no lookup finds, are removed first, so that the wheel
     does not carry them."""
-    current = f"-{_cache.source_hash()}-"
-    for entry in _cache.cache_dir().glob("*.json"):
-        if current not in entry.name:
-            entry.unlink()
+    for entry in _cache.stale_entries(_cache.cache_dir()):
+        entry.unlink()
     for op, spec in _registry.specs().items():
         build([op], DTYPES, packaged_sizes(spec), arch, verbose, packaged=True)
 
