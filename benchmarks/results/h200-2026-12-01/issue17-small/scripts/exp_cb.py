@@ -1,5 +1,5 @@
-"""Device experiment (issue 17, 2026-12-01): are the kernels' launches in XLA's command buffers, and
-what do command buffers do to the chains' latency?"""
+"""Device experiment (issue 17, 2026-12-01): are the kernels' launches in XLA's command
+buffers, and what do command buffers do to the chains' latency?"""
 
 import json
 import os

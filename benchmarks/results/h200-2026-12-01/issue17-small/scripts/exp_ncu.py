@@ -1,5 +1,5 @@
-"""Device experiment (issue 17, 2026-12-01): kernel time (ncu) of softmax's kernels and XLA's fusions at
-small shapes, one op per run."""
+"""Device experiment (issue 17, 2026-12-01): kernel time (ncu) of softmax's kernels and
+XLA's fusions at small shapes, one op per run."""
 
 import pathlib
 import sys

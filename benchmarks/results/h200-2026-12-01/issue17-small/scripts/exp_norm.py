@@ -1,5 +1,5 @@
-"""Device experiment (issue 17, 2026-12-01): norm fwd+bwd at n = 65536 on each lowering path, and the
-tuner at 2048 x 65536 bf16 RMSNorm."""
+"""Device experiment (issue 17, 2026-12-01): norm fwd+bwd at n = 65536 on each lowering
+path, and the tuner at 2048 x 65536 bf16 RMSNorm."""
 
 import json
 import pathlib

@@ -1,5 +1,5 @@
-"""Device experiment (issue 17, 2026-12-01): softmax fwd+bwd at small shapes, and the CE kernels of
-half a vocabulary on one GPU."""
+"""Device experiment (issue 17, 2026-12-01): softmax fwd+bwd at small shapes, and the CE
+kernels of half a vocabulary on one GPU."""
 
 import importlib
 import json

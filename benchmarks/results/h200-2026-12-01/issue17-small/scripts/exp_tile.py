@@ -1,5 +1,5 @@
-"""Device experiment (issue 17, 2026-12-01): softmax fwd and derivative kernels at small M under each
-candidate tiling, chained as in bench --latency, beside XLA's."""
+"""Device experiment (issue 17, 2026-12-01): softmax fwd and derivative kernels at small M
+under each candidate tiling, chained as in bench --latency, beside XLA's."""
 
 import concurrent.futures
 import importlib
