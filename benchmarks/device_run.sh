@@ -5,9 +5,9 @@
 # on a CPU machine; the GPU machine has no CuTe-DSL.
 # bench runs every op (softmax, rms_norm, layer_norm, cross_entropy). Tuning several takes
 # longer than one device call: pick them with TUNE_OPS="rms_norm" (default: softmax,
-# rms_norm, layer_norm). ncu (after bench) times each function of the bench's rows by
-# kernel time (benchmarks/profile_kernels.py), a process per op and dtype; latency runs
-# bench --latency.
+# rms_norm, layer_norm). latency runs bench --latency. ncu (after bench or latency) times
+# each function of their rows by kernel time (benchmarks/profile_kernels.py), a process per
+# op and dtype, into the bench's and the latency's folder (kernel_times.md).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 QUACK_JAX_CACHE=${QUACK_JAX_CACHE:-.cubins}
 OUT=${OUT:-/tmp/quack_jax_out}
@@ -32,16 +32,19 @@ for step in "$@"; do
               2>&1 | tee "$OUT/bench_no_command_buffers.log" || status=1 ;;
     latency) timeout "${LATENCY_SECONDS:-300}" python3 -m quack_jax.bench --latency \
                  --out "$OUT/latency" 2>&1 | tee "$OUT/latency.log" || status=1 ;;
-    ncu) for op in softmax rms_norm layer_norm cross_entropy; do  # a process per op and dtype
-             for dtype in bfloat16 float32; do
-                 timeout "${NCU_SECONDS:-90}" ncu --clock-control none \
-                     --profile-from-start off --metrics gpu__time_duration.sum --csv \
-                     --print-units base --log-file "$OUT/bench/ncu_jax_${op}_$dtype.csv" \
-                     python3 benchmarks/profile_kernels.py jax "$OUT/bench" --op $op \
-                     --dtype $dtype >/dev/null 2>&1 || status=1
+    ncu) for folder in "$OUT/bench" "$OUT/latency"; do  # the bench's rows, --latency's
+             [ -d "$folder" ] || continue
+             for op in softmax rms_norm layer_norm cross_entropy; do  # a process per op, dtype
+                 for dtype in bfloat16 float32; do
+                     timeout "${NCU_SECONDS:-90}" ncu --clock-control none \
+                         --profile-from-start off --metrics gpu__time_duration.sum --csv \
+                         --print-units base --log-file "$folder/ncu_jax_${op}_$dtype.csv" \
+                         python3 benchmarks/profile_kernels.py jax "$folder" --op $op \
+                         --dtype $dtype >/dev/null 2>&1 || status=1
+                 done
              done
-         done
-         python3 benchmarks/profile_kernels.py report "$OUT/bench" | tee "$OUT/ncu.txt" ;;
+             python3 benchmarks/profile_kernels.py report "$folder" | tee "$folder/ncu.txt"
+         done ;;
     esac
 done
 exit $status

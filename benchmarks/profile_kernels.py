@@ -13,6 +13,10 @@ With ``--op OP`` (and ``--dtype DTYPE``) a run takes only those rows and names i
 process per op or per op and dtype, so that a time limit or a crash costs those figures,
 not all of them.
 
+``DIR`` may also be a ``python -m quack_jax.bench --latency --out DIR`` folder: then the
+rows are those of ``DIR/<op>_latency.json``, the small and decode shapes, each function
+run once as it is lowered by default (not in a chain).
+
 ``jax`` runs, for every row of ``DIR/<op>.json``, quack_jax's and XLA's forward and
 forward+backward (the bench's functions) once each on one input, and the bench's copy
 (``x * 2`` over float32 arrays of the same bytes); ``quack`` runs QuACK's
@@ -26,7 +30,9 @@ ncu serialises the kernels and, by default, flushes the caches before each one, 
 stack's kernels start cold and alone. ``report`` splits each ncu log at the markers and
 sums each marked run's kernels (a function's whole device time: its kernels, and any
 copies, converts or fills its framework launches), into ``DIR/kernel_times.json``:
-seconds and the kernels' names per (stack, op, dtype, M, N, pass).
+seconds and the kernels' names per (stack, op, dtype, M, N, pass); and into
+``DIR/kernel_times.md``, the µs of each stack side by side, with XLA's and QuACK's time
+over quack_jax's per row and summed per op and pass.
 """
 
 from __future__ import annotations
@@ -39,17 +45,21 @@ import sys
 
 MARKER = "spin_kernel"
 PASSES = ("fwd", "fwd_bwd")
+STACKS = ("quack_jax", "XLA", "QuACK")  # the stacks of kernel_times.md, in its order
 
 
 def bench_rows(folder: pathlib.Path, op: str | None, dtype: str | None):
-    """(op, row) for every row of the bench's JSONs in ``folder`` (of ``op`` and ``dtype``
-    only, where given)."""
+    """(op, row) for every row of the bench's JSONs in ``folder``, its tables
+    (``<op>.json``) or its ``--latency`` tables (``<op>_latency.json``), of ``op`` and
+    ``dtype`` only, where given."""
     for path in sorted(folder.glob("*.json")):
         bench = json.loads(path.read_text())
-        is_bench = isinstance(bench, dict) and "passes" in bench.get("meta", {})
-        if is_bench and op in (None, path.stem):
+        meta = bench.get("meta", {}) if isinstance(bench, dict) else {}
+        name = path.stem.removesuffix("_latency")
+        is_bench = "passes" in meta or meta.get("unit") == "seconds per op"
+        if is_bench and op in (None, name):
             rows = (r for r in bench["rows"] if dtype in (None, r["dtype"]))
-            yield from ((path.stem, r) for r in rows)
+            yield from ((name, r) for r in rows)
 
 
 def run_marked(functions, path: pathlib.Path, sync) -> None:
@@ -142,6 +152,41 @@ def marked_runs(kernels):
     return segments[1::2]
 
 
+def table(entries) -> str:
+    """Markdown: µs per function by kernel time, per op, dtype, shape and pass, for each
+    stack profiled, with XLA's and QuACK's time over quack_jax's; then each op's and
+    pass's sums over the shapes that every stack ran."""
+    times = {}  # (op, dtype, m, n, pass) -> {stack: seconds}
+    for e in entries:
+        if e["seconds"] is not None:
+            key = (e["op"], e["dtype"], e["m"], e["n"], e["pass_"])
+            times.setdefault(key, {})[e["stack"]] = e["seconds"]
+    stacks = [s for s in STACKS if any(s in t for t in times.values())]
+    others = [s for s in stacks if s != "quack_jax"]
+    headers = ["op", "dtype", "M x N", "pass"] + [f"{s} µs" for s in stacks]
+    headers += [f"{s} / quack_jax" for s in others]
+    lines = ["| " + " | ".join(headers) + " |", "| --- " * len(headers) + "|"]
+    sums = {}  # (op, pass) -> [seconds of each stack]
+    for (op, dtype, m, n, pass_), t in times.items():
+        cells = [op, dtype, f"{m} x {n}", pass_]
+        cells += [f"{t[s] * 1e6:.1f}" if s in t else "-" for s in stacks]
+        mine = t.get("quack_jax")
+        cells += [f"{t[s] / mine:.2f}x" if mine and s in t else "-" for s in others]
+        lines.append("| " + " | ".join(cells) + " |")
+        if all(s in t for s in stacks):
+            total = sums.setdefault((op, pass_), [0.0] * len(stacks))
+            total[:] = [a + t[s] for a, s in zip(total, stacks, strict=True)]
+    if "quack_jax" in stacks and others:
+        lines += ["", "Summed over the shapes every stack ran:", ""]
+        lines += ["| op | pass | " + " | ".join(f"{s} / quack_jax" for s in others) + " |"]
+        lines.append("| --- " * (2 + len(others)) + "|")
+        for (op, pass_), total in sums.items():
+            mine = total[stacks.index("quack_jax")]
+            ratios = [f"{total[stacks.index(s)] / mine:.2f}x" for s in others]
+            lines.append(f"| {op} | {pass_} | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
 def report(folder: pathlib.Path) -> None:
     entries = []
     for path in sorted(folder.glob("*_labels.json")):
@@ -163,6 +208,7 @@ def report(folder: pathlib.Path) -> None:
                 + ("-" if seconds is None else f"{seconds * 1e6:9.1f} us {len(kernels)} kernels")
             )
     (folder / "kernel_times.json").write_text(json.dumps(entries, indent=1))
+    (folder / "kernel_times.md").write_text(table(entries) + "\n")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,43 @@ def test_latency_writes_microseconds_per_op(latency_dir):
     assert "speedup" not in table.split("No speedups")[1] and "x |" not in table
 
 
+def test_kernel_times_of_the_latency_rows(latency_dir, monkeypatch):
+    """``profile_kernels.py`` takes a --latency folder's rows, and its report puts each
+    stack's kernel time side by side (a made-up ncu log: XLA's kernels take twice as long
+    as quack_jax's, fwd+bwd of the second row missing for XLA)."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    import profile_kernels
+
+    rows = list(profile_kernels.bench_rows(latency_dir, None, None))
+    shapes = [(op, r["m"], r["n"]) for op, r in rows]
+    assert shapes == [("rms_norm", 1, 1024), ("rms_norm", 64, 1024)]
+    labels, log = [], ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+
+    def launch(name, ns):
+        log.append(f'"{len(log) - 1}","{name}","gpu__time_duration.sum","ns","{ns:,}"')
+
+    for _, r in rows:
+        for stack, ns in (("quack_jax", 2500), ("XLA", 5000)):
+            for pass_ in profile_kernels.PASSES:
+                if (stack, r["m"], pass_) == ("XLA", 64, "fwd_bwd"):
+                    continue
+                labels.append(dict(stack=stack, op="rms_norm", dtype=r["dtype"], m=r["m"]))
+                labels[-1] |= dict(n=r["n"], pass_=pass_)
+                launch("spin_kernel", 1000)
+                for _ in range(1 + (pass_ == "fwd_bwd")):
+                    launch(f"{stack} kernel", ns)
+                launch("spin_kernel", 1000)
+    (latency_dir / "jax_labels.json").write_text(json.dumps(labels))
+    (latency_dir / "ncu_jax.csv").write_text("==PROF== a line ncu adds\n" + "\n".join(log))
+    profile_kernels.report(latency_dir)
+    table = (latency_dir / "kernel_times.md").read_text().splitlines()
+    assert table[0] == "| op | dtype | M x N | pass | quack_jax µs | XLA µs | XLA / quack_jax |"
+    assert "| rms_norm | bfloat16 | 1 x 1024 | fwd_bwd | 5.0 | 10.0 | 2.00x |" in table
+    assert "| rms_norm | bfloat16 | 64 x 1024 | fwd_bwd | 5.0 | - | - |" in table
+    # the sums: only the shapes both stacks ran
+    assert table[-2:] == ["| rms_norm | fwd | 2.00x |", "| rms_norm | fwd_bwd | 2.00x |"]
+
+
 def test_latency_shapes_are_declared_per_family():
     ops = bench.benchmarks()
     rows = set(Benchmark.LATENCY_ROWS)
