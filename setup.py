@@ -12,11 +12,13 @@ is newer than 2.17 are bound to their oldest version (ffi/glibc_compat.cc).
 
 import importlib.util
 import os
+import pathlib
 import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 
 class SharedLibrary(Extension):
@@ -41,6 +43,19 @@ class BuildSharedLibrary(build_ext):
             (jaxlib_dir,) = jaxlib.submodule_search_locations
             ext.include_dirs.append(os.path.join(jaxlib_dir, "include"))
         super().build_extension(ext)
+
+
+class BuildPackage(build_py):
+    """Copies the package into the build folder, where the prebuilt kernels must be
+    exactly those of quack_jax/cubins: a cubin an earlier build left there is removed, or
+    the wheel would carry it."""
+
+    def run(self):
+        super().run()
+        source = pathlib.Path("quack_jax", "cubins")
+        for path in pathlib.Path(self.build_lib, "quack_jax", "cubins").glob("*.json"):
+            if not (source / path.name).exists():
+                path.unlink()
 
 
 MANYLINUX = sysconfig.get_platform() == "linux-x86_64"
@@ -84,5 +99,9 @@ setup(
             **linking,
         )
     ],
-    cmdclass={"build_ext": BuildSharedLibrary, "bdist_wheel": AnyPythonWheel},
+    cmdclass={
+        "build_ext": BuildSharedLibrary,
+        "build_py": BuildPackage,
+        "bdist_wheel": AnyPythonWheel,
+    },
 )

@@ -361,11 +361,20 @@ def test_occupancy_query_failure_names_the_kernel():
 
 @pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="manylinux: x86_64 only")
 def test_wheel_is_manylinux_and_licensed(tmp_path):
-    """`pip wheel .` makes one py3-none-manylinux wheel carrying the license, and its
+    """`pip wheel .` makes one py3-none-manylinux wheel carrying the license and exactly
+    the cubins of quack_jax/cubins (not one that an earlier build left in build/), and its
     library asks for no glibc symbol newer than the tag's floor and for no libstdc++."""
     source = tmp_path / "source"  # a copy, so no earlier build is reused
     stale = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "*.so", "__pycache__")
     shutil.copytree(ROOT, source, ignore=stale)
+    (source / "quack_jax" / "cubins").mkdir(exist_ok=True)
+    (source / "quack_jax" / "cubins" / "new-entry.json").write_text("{}")
+    # setuptools' build folder of this platform and Python, where an earlier build copied
+    # the package
+    platform_lib = f"lib.{sysconfig.get_platform()}-{sys.implementation.cache_tag}"
+    earlier = source / "build" / platform_lib / "quack_jax" / "cubins"
+    earlier.mkdir(parents=True)
+    (earlier / "old-entry.json").write_text("{}")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path, source],
         check=True,
@@ -379,6 +388,10 @@ def test_wheel_is_manylinux_and_licensed(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read(f"{dist_info}/licenses/LICENSE") == (ROOT / "LICENSE").read_bytes()
         assert "License-Expression: Apache-2.0" in archive.read(f"{dist_info}/METADATA").decode()
+        cubins = {n for n in archive.namelist() if n.startswith("quack_jax/cubins/")}
+        packaged = {p.name for p in (source / "quack_jax" / "cubins").glob("*.json")}
+        assert cubins == {f"quack_jax/cubins/{name}" for name in packaged}
+        assert "quack_jax/cubins/new-entry.json" in cubins
         library = archive.extract("quack_jax/libquack_jax_ffi.so", tmp_path)
     if shutil.which("objdump") is None:
         pytest.skip("objdump is needed to read the library's symbol versions")
