@@ -48,7 +48,9 @@ writes the gradient, and token_logprobs' forward and backward with the entropy; 
 cross-entropy kernels' candidates include streamed tilings. The persistent norm kernels'
 candidates run on one wave of clusters; the norm forward's also on one CTA per row block
 (tag +full-grid), where it loads its rows straight into registers, so that its
-candidates there need not fit the staged rows' shared memory.
+candidates there need not fit the staged rows' shared memory. The first candidate (the
+tuning table's "default") is the tiling that kernel launches at the shape, as in the
+tilings column.
 
 --latency times each op at small and decode shapes (each op's latency_shapes: M from 1
 to 4096 rows at the family's row lengths, and QK-norm's rows for rms_norm), in bfloat16
@@ -90,7 +92,7 @@ import jax.numpy as jnp
 from quack_jax import _cache, _ffi, _registry
 from quack_jax._primitive import REFERENCE_FASTER, kernel_arch, lowering_path, persistent_grid
 from quack_jax._spec import Benchmark, Case, Tuned
-from quack_jax._tiling import ITEMSIZE, override_tiling
+from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling
 
 DTYPES = ["bfloat16", "float32"]
 TARGET_BYTES = 10e9
@@ -243,6 +245,20 @@ def tune_tiling(t: Tuned, shape, tiling, tag, one_wave, inputs, reps, results):
     print(f"tune {dtype} {m}x{n} {t.name} {tag} {rate:.3f} TB/s", flush=True)
 
 
+def launched_tiling(t: Tuned, arguments) -> RowTiling | None:
+    """The tiling of the kernel that ``t``'s function launches on the shapes of
+    ``arguments`` (one tuple of the op's inputs), lowered for CUDA: None where it
+    launches none (no kernel device, or no cubin for it). Each tuned kernel's own, where
+    several share an op name (cross-entropy's forwards with and without the gradient)."""
+    operands = jax.eval_shape(t.prepare, *arguments)
+    try:
+        with _cache.kernels_used() as used, lowering_path("kernel"):
+            jax.jit(t.fn).trace(*operands).lower(lowering_platforms=("cuda",))
+    except _cache.MissingKernelError:
+        return None
+    return next((tiling for _, _, tiling, _ in used), None)
+
+
 def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
     e = ITEMSIZE[dtype]
     size = m * n * e
@@ -253,27 +269,27 @@ def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
     row["copy"] = time_per_call(lambda x: x * 2, words, reps)
     del words
     arguments = make_inputs(op.arguments(m, n, dtype), count, seed=m * n)
-    tilings = {}  # the tilings of the kernels the quack_jax paths launch, by op suffix
     for case in op.cases:
         inputs = [a[: case.args] for a in arguments]
         # the kernels at every shape, also where the default lowering picks XLA's path
         path = lowering_path("kernel") if case.kernel else contextlib.nullcontext()
         try:
-            with _cache.kernels_used() as used, path:
+            with path:
                 row[case.key] = time_per_call(case.fn, inputs, reps, case.kernel and on_gpu)
         except _cache.MissingKernelError as error:  # not packaged, and no CuTe-DSL here
             row[case.key] = None
             print(f"  {case.label} {dtype} {m}x{n} not timed: {error}", flush=True)
-        tilings.update((kernel.rsplit("_", 1)[1], tiling) for kernel, _, tiling, _ in used)
+    # the tiling each tuned kernel launches here (the tables' column, the tuner's default)
+    tilings = {t.name: launched_tiling(t, arguments[0]) if on_gpu else None for t in op.tuned}
     for t in op.tuned:
-        row[f"tiling_{t.name}"] = tilings[t.name].tag if t.name in tilings else "-"
+        row[f"tiling_{t.name}"] = tilings[t.name].tag if tilings[t.name] else "-"
     if tune:
         k = max(10, math.ceil(TUNE_BYTES / (2 * size)))
         for t in op.tuned:
             prepare = jax.jit(t.prepare)
             inputs = [prepare(*a) for a in arguments[:k]]
             results = row[f"tune_{t.name}"] = {}
-            for tag, tiling, one_wave in t.runs(n, e, tilings.get(t.name)):
+            for tag, tiling, one_wave in t.runs(n, e, tilings[t.name]):
                 tune_tiling(t, (dtype, m, n), tiling, tag, one_wave, inputs, reps, results)
             del inputs
     del arguments

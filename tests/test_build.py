@@ -402,6 +402,19 @@ def test_wheel_is_manylinux_and_licensed(tmp_path):
 
 
 @pytest.mark.cutlass
+def test_bench_reads_each_tuned_kernels_own_tiling(cache, monkeypatch):
+    """The bench's tiling columns and the tuner's first candidate are the tiling each
+    tuned function launches: cross-entropy's forward with the gradient (ce_grad) and
+    without (ce_fwd) have one kernel name and different tables."""
+    monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
+    op = bench.benchmarks()["cross_entropy"]
+    arguments = [jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(1024, 1024, "float32")]
+    launched = {t.name: bench.launched_tiling(t, arguments) for t in op.tuned}
+    assert launched == {t.name: choose_tiling(t.family, 1024, 4) for t in op.tuned}
+    assert launched["fwd"] != launched["grad"]
+
+
+@pytest.mark.cutlass
 def test_cuda_lowering_launches_kernels(cache, monkeypatch):
     """Lowered for a CUDA device (here, without one), the ops become kernel launches."""
     monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
