@@ -68,7 +68,9 @@ class Case:
 class Tuned:
     """A kernel family: the table's tiling column, and what ``--tune`` times alone."""
 
-    name: str  # the kernel op's suffix ("fwd", "bwd"), or a name of its own; tune_<name>
+    # the row entries tiling_<name> and tune_<name>; where it is the kernel op's suffix
+    # ("fwd", "bwd"), ``prebuild.py --tune`` finds the tiling the benchmark launches by it
+    name: str
     family: str
     passes: int
     fn: Callable
