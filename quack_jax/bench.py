@@ -251,9 +251,12 @@ def launched_tiling(t: Tuned, arguments) -> RowTiling | None:
     launches none (no kernel device, or no cubin for it). Each tuned kernel's own, where
     several share an op name (cross-entropy's forwards with and without the gradient)."""
     operands = jax.eval_shape(t.prepare, *arguments)
+    # a new function each time: JAX caches the lowering of a function it has lowered for
+    # these shapes, and then no kernel is looked up
+    fresh = lambda *a: t.fn(*a)  # noqa: E731
     try:
         with _cache.kernels_used() as used, lowering_path("kernel"):
-            jax.jit(t.fn).trace(*operands).lower(lowering_platforms=("cuda",))
+            jax.jit(fresh).trace(*operands).lower(lowering_platforms=("cuda",))
     except _cache.MissingKernelError:
         return None
     return next((tiling for _, _, tiling, _ in used), None)

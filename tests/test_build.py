@@ -412,6 +412,8 @@ def test_bench_reads_each_tuned_kernels_own_tiling(cache, monkeypatch):
     launched = {t.name: bench.launched_tiling(t, arguments) for t in op.tuned}
     assert launched == {t.name: choose_tiling(t.family, 1024, 4) for t in op.tuned}
     assert launched["fwd"] != launched["grad"]
+    # asked again (the bench's row, then its tuner): JAX's lowering cache must not hide it
+    assert {t.name: bench.launched_tiling(t, arguments) for t in op.tuned} == launched
 
 
 @pytest.mark.cutlass
