@@ -107,7 +107,9 @@ def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
     The logits are rounded as the GEMM makes them, to ``logits_dtype`` (h's by default),
     after the bias too; the gradient of the logits is rounded to h's dtype, as the op
     hands it to the backward GEMMs. Where the GEMM rounds a logit the other way (one
-    unit, u), a result moves by its derivative times u: the magnitudes allow for that.
+    unit, u), a result moves by its derivative times u, and where the op rounds a
+    gradient of a logit the other way, the gradients move by one unit of it times h or
+    the weight: the magnitudes allow for both.
     As in cross_entropy: an ignored row's loss is 0, a label outside [0, V) gives a NaN
     loss and, where its loss has a cotangent, a NaN gradient row; a row whose loss and
     lse have no cotangent has no gradient (whatever its logits)."""
@@ -178,7 +180,10 @@ def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
         moved = moved * (u + np.sum(p * u, -1, keepdims=True))
         if cap:  # the rounding also moves the softcap's slope, by 2 x slope / cap^2 per unit
             moved = moved + np.abs(dz_capped * 2 * x * slope / cap**2) * u
-        adz = np.abs(dz) + moved / TOL[dtype.name]
+        # the op's dz, from its float32 p, may round to the other neighbour of the
+        # reference's: one unit of h's dtype either way
+        unit = float(jnp.finfo(dtype).eps)
+        adz = np.abs(dz) * (1 + unit / TOL[dtype.name]) + moved / TOL[dtype.name]
         adw = np.abs(h64).T @ adz
         mags = {
             "loss": row.reshape(lead)
