@@ -93,6 +93,7 @@ from quack_jax import _cache, _ffi, _registry
 from quack_jax._primitive import REFERENCE_FASTER, kernel_arch, lowering_path, persistent_grid
 from quack_jax._spec import Benchmark, Case, Tuned
 from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling
+from quack_jax.build import lower_for_cuda
 
 DTYPES = ["bfloat16", "float32"]
 TARGET_BYTES = 10e9
@@ -251,12 +252,9 @@ def launched_tiling(t: Tuned, arguments) -> RowTiling | None:
     launches none (no kernel device, or no cubin for it). Each tuned kernel's own, where
     several share an op name (cross-entropy's forwards with and without the gradient)."""
     operands = jax.eval_shape(t.prepare, *arguments)
-    # a new function each time: JAX caches the lowering of a function it has lowered for
-    # these shapes, and then no kernel is looked up
-    fresh = lambda *a: t.fn(*a)  # noqa: E731
     try:
-        with _cache.kernels_used() as used, lowering_path("kernel"):
-            jax.jit(fresh).trace(*operands).lower(lowering_platforms=("cuda",))
+        with _cache.kernels_used() as used:
+            lower_for_cuda(t.fn, operands)
     except _cache.MissingKernelError:
         return None
     return next((tiling for _, _, tiling, _ in used), None)
