@@ -1,7 +1,8 @@
 """The choice of implementation of every public op: its ``implementation`` argument.
 
 ``None`` (the default) runs the kernels where they run (a CUDA sm_90 device; small
-softmax and norm forwards lower to XLA's formulation there, see
+softmax and norm forwards, and small softmax derivatives, lower to XLA's formulation
+there, see
 ``_primitive.REFERENCE_FASTER``) and the XLA fallback elsewhere, both through
 quack_jax's primitives. ``"xla"`` runs a pure XLA formulation of the op, differentiated
 by JAX itself, with no quack_jax primitive in the program: a way to bisect a numerics

@@ -157,9 +157,18 @@ _active_clusters = functools.cache(_ffi.max_active_clusters)
 # and 512 x 8192 -5% to 10% less, at 4096 x 4096 (32 MiB) 13-17% more. Under
 # autodiff (``differentiated``) the norm forward keeps its kernel: with the backward
 # kernel after it, XLA's forward made fwd+bwd 8-19% slower than the kernels' there.
+# Softmax's derivative (2026-12-02, fwd+bwd chains): where its forward is on XLA, XLA's
+# derivative made fwd+bwd 4-11% faster than the derivative kernel at each row length
+# from 256 to 2048 (summed over 1-512 rows, and at 4096 rows up to 8 MiB), where XLA
+# compiled the pair into two fusions at every shape; over rows of 4096 and 8192 it
+# split one of them at some row counts and was no faster.
 SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 8 << 20, 32 << 20, max(QK_NORM_SIZES)
+SOFTMAX_DERIVATIVE_N = 2048
 REFERENCE_FASTER: dict[str, Callable[..., bool]] = {
     "quack_jax_softmax": lambda m, n, itemsize, **_: m * n * itemsize <= SOFTMAX_BYTES,
+    "quack_jax_softmax_derivative": lambda m, n, itemsize, kind, **_: (
+        kind == "softmax" and n <= SOFTMAX_DERIVATIVE_N and m * n * itemsize <= SOFTMAX_BYTES
+    ),
     "quack_jax_norm": lambda m, n, itemsize, rms, differentiated, **_: (
         not differentiated and (m * n * itemsize <= NORM_BYTES or (rms and n <= QK_NORM))
     ),

@@ -7,9 +7,11 @@ a 16-bit log-probability gives p only to ``|log p| * 2^-8`` relative: the forwar
 form ``t - sum(p * t)`` and its transpose ``t - p * sum(t)``. ``jax.grad`` therefore
 runs the forward kernel and one derivative kernel that reads s and the cotangent and
 writes the gradient (log-softmax's forward kernel only where its output is used);
-``jax.jvp`` likewise. With the softmax axis split across devices
-(under a sharded ``jit``), each device runs the XLA reference on its slice of the rows,
-with the rows' max and sums combined by ``pmax``/``psum``.
+``jax.jvp`` likewise. At small shapes the default lowering takes XLA's formulation of
+the forward, and of softmax's derivative over short rows
+(``_primitive.REFERENCE_FASTER``). With the softmax axis split across devices (under a
+sharded ``jit``), each device runs the XLA reference on its slice of the rows, with the
+rows' max and sums combined by ``pmax``/``psum``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The lowering's choice of path by shape (``_primitive.REFERENCE_FASTER``): small softmax
 and norm forwards, and RMSNorm's over QK-norm rows, lower to XLA's formulation, except
-the norm forward under autodiff, and every other kernel stays; ``lowering_path``
+the norm forward under autodiff; so does softmax's derivative over small short rows, and
+every other kernel stays; ``lowering_path``
 overrides the choice, and bad paths raise ValueError. On the GPU, the training path at a
 small shape gives the float64 result. (Every other test lowers with
 ``lowering_path("kernel")``: see conftest.py.)"""
@@ -12,7 +13,13 @@ import pytest
 
 import quack_jax
 from quack_jax import _ffi
-from quack_jax._primitive import NORM_BYTES, QK_NORM, SOFTMAX_BYTES, lowering_path
+from quack_jax._primitive import (
+    NORM_BYTES,
+    QK_NORM,
+    SOFTMAX_BYTES,
+    SOFTMAX_DERIVATIVE_N,
+    lowering_path,
+)
 from quack_jax.build import lower_for_cuda
 
 N = 1024
@@ -66,6 +73,25 @@ def test_small_norm_forward_under_autodiff_keeps_its_kernel(name):
         assert launches(grad_of(rms), 2**21, n=QK_NORM) == 2
 
 
+def test_small_softmax_derivative_lowers_to_xla():
+    """Softmax's fwd+bwd over rows of at most SOFTMAX_DERIVATIVE_N, up to SOFTMAX_BYTES of
+    bfloat16 input: no kernel."""
+    n = SOFTMAX_DERIVATIVE_N
+    softmax = FORWARDS["softmax"][0]
+    assert launches(grad_of(softmax), 1, n=n) == 0
+    assert launches(grad_of(softmax), SOFTMAX_BYTES // (n * 2), n=n) == 0
+
+
+@pytest.mark.cutlass
+def test_softmax_derivative_keeps_its_kernel_elsewhere():
+    """Longer rows, more bytes, log-softmax's derivative: the derivative kernel stays."""
+    n = SOFTMAX_DERIVATIVE_N
+    softmax = FORWARDS["softmax"][0]
+    assert launches(grad_of(softmax), 8, n=n + 256) == 1
+    assert launches(grad_of(softmax), SOFTMAX_BYTES // (n * 2) + 1, n=n) == 2
+    assert launches(grad_of(quack_jax.log_softmax), 8, n=n) == 1
+
+
 @pytest.mark.cutlass
 @pytest.mark.parametrize("name", ["softmax", "rms_norm", "layer_norm"])
 def test_larger_forwards_and_forced_kernels_launch(name):
@@ -82,11 +108,14 @@ def test_lowering_path_rejects_unknown_paths():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("name", "kernels"), [("softmax", 1), ("rms_norm", 2)])
-def test_the_training_path_at_a_small_shape(name, kernels):
-    """softmax: XLA's forward, then the backward kernel; rms_norm: both kernels."""
-    x = np.random.default_rng(7).standard_normal((8, N), np.float32)
-    dy = np.random.default_rng(8).standard_normal((8, N), np.float32)
+@pytest.mark.parametrize(
+    ("name", "n", "kernels"), [("softmax", N, 0), ("softmax", 4 * N, 1), ("rms_norm", N, 2)]
+)
+def test_the_training_path_at_a_small_shape(name, n, kernels):
+    """softmax: XLA's forward, then XLA's derivative (rows of 1024) or the backward
+    kernel (4096); rms_norm: both kernels."""
+    x = np.random.default_rng(7).standard_normal((8, n), np.float32)
+    dy = np.random.default_rng(8).standard_normal((8, n), np.float32)
     fn, _ = FORWARDS[name]
 
     def loss(x):
