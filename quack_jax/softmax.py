@@ -188,15 +188,17 @@ def softmax(
         zero derivatives. The kernel runs on ``jnp.where(where, x, -inf)``, an XLA select
         on each side of it.
       implementation: None (the kernels on a CUDA sm_90 device, except the forward up
-        to 8 MiB of input, which lowers to XLA's formulation where that measured
-        faster; the XLA fallback elsewhere) or "xla": a plain jnp formulation that JAX
+        to 8 MiB of input, and softmax's derivative there over rows of at most 2048,
+        which lower to XLA's formulation where that measured faster; the XLA fallback
+        elsewhere) or "xla": a plain jnp formulation that JAX
         differentiates, with no quack_jax primitive in the program (to bisect a
         numerics difference). None follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or
         unset), read at trace time.
 
     NaN and infinities propagate as in ``jax.nn.softmax`` (a row holding NaN or +inf,
     or only -inf, gives NaN). Differentiable to any order; ``jax.grad`` runs one fused
-    backward kernel ``dx = y * (dy - sum(dy * y))`` that reads the saved y.
+    backward kernel ``dx = y * (dy - sum(dy * y))`` that reads the saved y (XLA's
+    formulation of it at the small shapes above).
     """
     return _apply("softmax", x, axis, where, False, implementation)
 
