@@ -94,20 +94,26 @@ def benchmark_lowerings(ops=BENCH_OPS) -> list[Lowering]:
     ]
 
 
-def tuning_lowerings(defaults, ops=BENCH_OPS) -> list[Lowering]:
-    """Each kernel of ``ops`` that the tuner times, under each of its candidate tilings;
-    ``defaults`` maps (kernel op, dtype, n) to the tiling the benchmark's functions launch."""
-    out = []
-    for op, dtype, n, args in _benchmark_shapes(ops):
-        e = ITEMSIZE[dtype]
-        for t in op.tuned:
-            operands = tuple(jax.eval_shape(t.prepare, *args))
-            default = defaults.get((f"{op.name}_{t.name}", dtype, n))
-            for tag, tiling, one_wave in t.runs(n, e, default):
-                label = f"{op.name} {t.name} {dtype} n={n} {tag}"
-                override = (t.family, n, e, tiling)
-                out.append(Lowering(label, t.fn, operands, override, one_wave=one_wave))
-    return out
+def tuning_lowerings(ops=BENCH_OPS) -> list[Lowering]:
+    """Each kernel of ``ops`` that the tuner times, under each of its candidate tilings, at
+    every shape that ``bench --tune`` (and ``--quick --tune``) runs. The candidates start
+    from the tiling the shape launches (``bench.launched_tiling``, as the tuner does), so
+    the benchmark's kernels must be in the cache or buildable."""
+    out = {}
+    for name in ops:
+        op = bench.benchmarks()[name]
+        for dtype in bench.DTYPES:
+            e = ITEMSIZE[dtype]
+            for m, n in op.shapes + op.quick_shapes:
+                args = [jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype)]
+                for t in op.tuned:
+                    operands = tuple(jax.eval_shape(t.prepare, *args))
+                    for tag, tiling, one_wave in t.runs(n, e, bench.launched_tiling(t, args)):
+                        label = f"{op.name} {t.name} {dtype} n={n} {tag}"
+                        override = (t.family, n, e, tiling)
+                        low = Lowering(label, t.fn, operands, override, one_wave=one_wave)
+                        out.setdefault((label, tiling), low)
+    return list(out.values())
 
 
 def case_lowerings(modules=CASE_MODULES) -> list[Lowering]:
@@ -182,9 +188,7 @@ def build_lowered(tune=(), verbose: bool = True):
     ``lower_for_cuda``)."""
     kernels = lower_for_cuda(benchmark_lowerings(), "benchmark", ARCH, verbose)
     if tune:
-        defaults = {(op, dtype, tiling.n): tiling for op, dtype, tiling, _ in kernels}
-        candidates = tuning_lowerings(defaults, tune)
-        kernels += lower_for_cuda(candidates, "tuner candidates", ARCH, verbose)
+        kernels += lower_for_cuda(tuning_lowerings(tune), "tuner candidates", ARCH, verbose)
     kernels += lower_for_cuda(softmax_test_lowerings(), "softmax GPU tests", ARCH, verbose)
     kernels += lower_for_cuda(case_lowerings(), "GPU test and script cases", ARCH, verbose)
     return list(dict.fromkeys(kernels))

@@ -69,20 +69,51 @@ def test_every_softmax_test_and_benchmark_kernel_compiles(cache):
         assert entry["symbol"].startswith("kernel_")
 
 
-def test_the_tuner_builds_the_norm_forward_on_both_grids():
+def test_the_tuner_builds_the_norm_forward_on_both_grids(monkeypatch):
     """``prebuild.py --tune`` lowers the norm forward's candidates as the tuner times
     them: on one wave, within the staged rows' shared memory, and on one CTA per row
     block (+full-grid), where the kernel stages nothing and more tilings fit."""
     prebuild = import_prebuild()
+    monkeypatch.setattr(bench, "launched_tiling", lambda t, arguments: None)  # the family's
     lowerings = [
         low
-        for low in prebuild.tuning_lowerings({}, ("rms_norm",))
+        for low in prebuild.tuning_lowerings(("rms_norm",))
         if low.label.startswith("rms_norm fwd float32 n=8192 ")
     ]
     assert all(low.label.endswith("+full-grid") == (not low.one_wave) for low in lowerings)
     staged = {low.tiling[3] for low in lowerings if low.one_wave}
     direct = {low.tiling[3] for low in lowerings if not low.one_wave}
     assert staged < direct
+
+
+def test_the_tuner_builds_from_each_tuned_kernels_own_tiling(monkeypatch):
+    """``prebuild.py --tune`` starts each tuned kernel's candidates from the tiling that
+    kernel launches at each tuned shape (``bench.launched_tiling``, as the tuner on the
+    GPU does), not from another kernel of the same op name: cross-entropy's forward with
+    the gradient and without share one."""
+    prebuild = import_prebuild()
+    op = bench.benchmarks()["cross_entropy"]
+    # a tiling of 4-element vectors for each kernel, where the family's choice has 8
+    launched = {t.name: candidate_tilings(t.family, 32000, 2, 4)[i] for i, t in enumerate(op.tuned)}
+    asked = []
+
+    def launched_tiling(t, arguments):
+        m, n = arguments[0].shape
+        asked.append((m, n))
+        return launched[t.name] if n == 32000 else None
+
+    monkeypatch.setattr(bench, "launched_tiling", launched_tiling)
+    lowerings = prebuild.tuning_lowerings(("cross_entropy",))
+    assert set(asked) == set(op.shapes + op.quick_shapes)
+    for name, tiling in launched.items():
+        ours = [
+            low
+            for low in lowerings
+            if low.label.startswith(f"cross_entropy {name} bfloat16 n=32000 ")
+        ]
+        assert ours[0].tiling[3] == tiling
+        assert {low.tiling[3].vec for low in ours} == {4}
+    assert len(set(launched.values())) == len(launched)
 
 
 def test_the_packaged_build_removes_entries_of_other_sources(cache, monkeypatch):
