@@ -106,9 +106,11 @@ def jax_functions(folder: pathlib.Path, *only):
 
 def quack_functions(folder: pathlib.Path, *only):
     import torch
-    from quack_torch import DTYPES, forward, forward_backward, inputs
+    from quack_torch import DTYPES, OPS, forward, forward_backward, inputs
 
     for op_name, r in bench_rows(folder, *only):
+        if op_name not in OPS:  # token_logprobs
+            continue
         m, n, dtype = r["m"], r["n"], r["dtype"]
         (arguments,) = inputs(op_name, m, n, DTYPES[dtype], 1)
         for pass_, fn in zip(PASSES, (forward(op_name), forward_backward(op_name)), strict=True):

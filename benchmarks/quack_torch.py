@@ -37,6 +37,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 TARGET_BYTES = 4e9
 EPS = 1e-6  # the bench's
 GRAPHS = {"on": True}
+OPS = ("softmax", "rms_norm", "layer_norm", "cross_entropy")  # the bench's ops QuACK has
 
 
 def inputs(op, m, n, dtype, count):
@@ -146,7 +147,7 @@ def main(argv=None):
     rows = json.loads(out.read_text())["rows"] if out.exists() else []
     done = {(r["op"], r["dtype"], r["m"], r["n"]) for r in rows}
     todo = []
-    for op in ("softmax", "rms_norm", "layer_norm", "cross_entropy"):  # the ops QuACK has
+    for op in OPS:
         path = args.like / f"{op}.json"
         if path.exists():
             bench = json.loads(path.read_text())
