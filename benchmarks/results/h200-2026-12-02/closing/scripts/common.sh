@@ -3,7 +3,7 @@
 T0=$(date +%s)
 mkdir -p /tmp/keep
 ln -sfn ../kernels quack_jax/kernels
-if [ -f caches.tgz ] && [ $(ls /tmp/keep/.cubins_10 2>/dev/null | wc -l) -lt 1663 ]; then
+if [ -f caches.tgz ] && [ $(ls /tmp/keep/.cubins_10 2>/dev/null | wc -l) -lt 1690 ]; then
     rm -rf /tmp/keep/.cubins_10; tar xzf caches.tgz -C /tmp/keep
 fi
 export PYTHONPATH=$PWD QUACK_JAX_CACHE=/tmp/keep/.cubins_10 PYTHONUNBUFFERED=1
