@@ -56,7 +56,9 @@ def main(folder: pathlib.Path):
     by = {op: {(r["m"], r["n"]): r for r in t["rows"]} for op, t in tables.items()}
 
     def cell(op, m, n, p):
-        r = by[op][m, n]
+        r = by.get(op, {}).get((m, n))
+        if r is None:
+            return "-"
         q, x = r[f"quack_{p}"] * 1e6, r[f"xla_{p}"] * 1e6
         return f"{q:.1f} / {x:.1f} ({x / q:.2f})"
 
