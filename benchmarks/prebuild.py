@@ -71,14 +71,18 @@ class Lowering(NamedTuple):
     one_wave: bool | None = None  # persistent_grid's argument (None: each family's rule)
 
 
-def _benchmark_shapes(ops=BENCH_OPS):
-    """(op, dtype, n, the op's arguments) for every benchmark shape of ``ops``, ``--quick``'s
-    and ``--latency``'s too (the kernels depend on n, not on the number of rows)."""
+def _benchmark_shapes(ops=BENCH_OPS, tuned: bool = False):
+    """(op, dtype, n, the op's arguments) for the benchmark shapes of ``ops``: one per
+    row length of its table's, ``--quick``'s and ``--latency``'s shapes (the kernels
+    depend on n, not on the number of rows); with ``tuned``, every shape that ``bench
+    --tune`` (and ``--quick --tune``) times, where the launched tiling may depend on m."""
     for name in ops:
         op = bench.benchmarks()[name]
         for dtype in bench.DTYPES:
-            shapes = op.shapes + op.quick_shapes + op.latency_shapes
-            for n, m in {n: m for m, n in shapes}.items():
+            shapes = op.shapes + op.quick_shapes
+            if not tuned:
+                shapes = [(m, n) for n, m in {n: m for m, n in shapes + op.latency_shapes}.items()]
+            for m, n in shapes:
                 args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
                 yield op, dtype, n, args
 
@@ -100,19 +104,15 @@ def tuning_lowerings(ops=BENCH_OPS) -> list[Lowering]:
     from the tiling the shape launches (``bench.launched_tiling``, as the tuner does), so
     the benchmark's kernels must be in the cache or buildable."""
     out = {}
-    for name in ops:
-        op = bench.benchmarks()[name]
-        for dtype in bench.DTYPES:
-            e = ITEMSIZE[dtype]
-            for m, n in op.shapes + op.quick_shapes:
-                args = [jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype)]
-                for t in op.tuned:
-                    operands = tuple(jax.eval_shape(t.prepare, *args))
-                    for tag, tiling, one_wave in t.runs(n, e, bench.launched_tiling(t, args)):
-                        label = f"{op.name} {t.name} {dtype} n={n} {tag}"
-                        override = (t.family, n, e, tiling)
-                        low = Lowering(label, t.fn, operands, override, one_wave=one_wave)
-                        out.setdefault((label, tiling), low)
+    for op, dtype, n, args in _benchmark_shapes(ops, tuned=True):
+        e = ITEMSIZE[dtype]
+        for t in op.tuned:
+            operands = tuple(jax.eval_shape(t.prepare, *args))
+            for tag, tiling, one_wave in t.runs(n, e, bench.launched_tiling(t, args)):
+                label = f"{op.name} {t.name} {dtype} n={n} {tag}"
+                override = (t.family, n, e, tiling)
+                low = Lowering(label, t.fn, operands, override, one_wave=one_wave)
+                out.setdefault((label, tiling), low)
     return list(out.values())
 
 
