@@ -154,6 +154,18 @@ def marked_runs(kernels):
     return segments[1::2]
 
 
+def rounds(folder: pathlib.Path) -> dict:
+    """For an experiment that gave ``run_marked`` its labelled functions several times
+    over (``folder/labels.json``, ncu's log ``folder/ncu.csv``): label -> (µs of each of
+    its marked runs, kernels in a run)."""
+    labels = json.loads((folder / "labels.json").read_text())
+    times = {}
+    for label, kernels in zip(labels, marked_runs(ncu_kernels(folder / "ncu.csv")), strict=False):
+        us, _ = times.setdefault(label, ([], len(kernels)))
+        us.append(sum(s for _, s in kernels) * 1e6)
+    return times
+
+
 def table(entries) -> str:
     """Markdown: µs per function by kernel time, per op, dtype, shape and pass, for each
     stack profiled, with XLA's and QuACK's time over quack_jax's; then each op's and

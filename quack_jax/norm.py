@@ -34,6 +34,7 @@ from ._primitive import (
     grid_is_one_wave,
     persistent_call,
     row_tiling,
+    rows,
 )
 from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
 from ._tiling import one_wave
@@ -243,16 +244,37 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         offset=float(offset) if w is not None else None,
     )
 
-    def results(ctas):
-        return [avals_out[0]] + [jax.ShapeDtypeStruct((ctas, h.shape[-1]), jnp.float32)] * grads
+    cluster = _summing_cluster(tiling, rows(h)) if grads else 1
 
-    launch = persistent_call(target, config, h, tiling, results)
+    def results(ctas):
+        n = h.shape[-1]
+        partials = [jax.ShapeDtypeStruct((ctas, n), jnp.float32)] * grads
+        totals = [jax.ShapeDtypeStruct((n if cluster > 1 else 0,), jnp.float32)] * grads
+        return [avals_out[0], *partials, *totals]
+
+    launch = persistent_call(target, config, h, tiling, results, one_cluster=cluster)
 
     def fn(*operands):
-        dx, *parts = launch(*operands)
-        return [dx] + [jnp.sum(p, axis=0) for p in parts]
+        dx, *outs = launch(*operands)
+        partials, totals = outs[:grads], outs[grads:]
+        return [dx] + (totals if cluster > 1 else [jnp.sum(p, axis=0) for p in partials])
 
     return fn
+
+
+SUM_CLUSTER_CTAS = 8
+SUM_CLUSTER_BLOCKS = 1
+
+
+def _summing_cluster(tiling, m: int) -> int:
+    """The CTAs of the one cluster that runs a backward over ``m`` rows and sums the
+    weight-gradient partials itself (see ``kernels/norm.py``), or 1 where XLA sums them:
+    grids of more than one row block and at most SUM_CLUSTER_BLOCKS blocks per CTA of a
+    cluster of up to SUM_CLUSTER_CTAS."""
+    blocks = -(-m // tiling.rows_per_cta)
+    if tiling.cluster_n > 1 or not 1 < blocks <= SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS:
+        return 1
+    return min(blocks, SUM_CLUSTER_CTAS)
 
 
 def _backward_batch(operands, dims, **params):
