@@ -266,10 +266,11 @@ class NormBackward(RowKernel):
 
     @cute.jit
     def sum_partials(self, pairs):
-        """Where one cluster is the whole grid: once every CTA has written its partial
-        rows, sum this CTA's share of the columns of each (partial, total) pair over the
-        (gridDim.x, n) partial rows, in row order, into the length-n total."""
-        if cute.arch.cluster_size() > 1:
+        """Where one cluster along x is the whole grid (not a cluster along y, which
+        shares each row): once every CTA has written its partial rows, sum this CTA's
+        share of the columns of each (partial, total) pair over the (gridDim.x, n)
+        partial rows, in row order, into the length-n total."""
+        if cute.arch.block_in_cluster_dim()[0] > 1:
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
             n = self.tiling.n
