@@ -28,15 +28,12 @@ from ._configs import KernelConfig, option, scalar
 from ._implementation import use_xla
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import (
-    PORTABLE_CLUSTER,
     RowwisePrimitive,
     Target,
     compute_dtype,
     grid_is_one_wave,
-    holds_cluster,
     persistent_call,
     row_tiling,
-    rows,
 )
 from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
 from ._tiling import one_wave
@@ -246,49 +243,16 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         offset=float(offset) if w is not None else None,
     )
 
-    cluster = _summing_cluster(target, config, h, tiling) if grads else 1
-
     def results(ctas):
-        n = h.shape[-1]
-        partials = [jax.ShapeDtypeStruct((ctas, n), jnp.float32)] * grads
-        totals = [jax.ShapeDtypeStruct((n if cluster > 1 else 0,), jnp.float32)] * grads
-        return [avals_out[0], *partials, *totals]
+        return [avals_out[0]] + [jax.ShapeDtypeStruct((ctas, h.shape[-1]), jnp.float32)] * grads
 
-    launch = persistent_call(target, config, h, tiling, results, one_cluster=cluster)
+    launch = persistent_call(target, config, h, tiling, results)
 
     def fn(*operands):
-        dx, *outs = launch(*operands)
-        partials, totals = outs[:grads], outs[grads:]
-        return [dx] + (totals if cluster > 1 else [jnp.sum(p, axis=0) for p in partials])
+        dx, *parts = launch(*operands)
+        return [dx] + [jnp.sum(p, axis=0) for p in parts]
 
     return fn
-
-
-# The backward of few row blocks as one cluster that sums its own weight-gradient
-# partials: measured on the H200 against XLA's sum of the partials (benchmarks/NOTES.md,
-# eleventh session), bfloat16 RMSNorm and LayerNorm over 8-512 rows of 1024-8192. Up to
-# 16 CTAs walking up to 2 row blocks each took 1.05-1.7x less time (backward kernel and
-# XLA's sum), except 0.98x at 64 x 4096 with a cluster of 8; 4 or 8 blocks a CTA took
-# 1.1-1.6x more at 64-128 rows of 2048-8192.
-SUM_CLUSTER_CTAS = 16
-SUM_CLUSTER_BLOCKS = 2
-
-
-def _summing_cluster(target: Target, config: NormBackward, h, tiling) -> int:
-    """The CTAs of the one cluster that runs a backward over ``h``'s rows and sums the
-    weight-gradient partials itself (see ``kernels/norm.py``), or 1 where XLA sums them:
-    grids of 2 to SUM_CLUSTER_BLOCKS row blocks a CTA of a cluster of up to
-    SUM_CLUSTER_CTAS that the device holds (else of up to a portable cluster's)."""
-    blocks = -(-rows(h) // tiling.rows_per_cta)
-    if tiling.cluster_n > 1 or blocks < 2:
-        return 1
-    for largest in (SUM_CLUSTER_CTAS, min(SUM_CLUSTER_CTAS, PORTABLE_CLUSTER)):
-        ctas = min(blocks, largest)
-        if blocks <= largest * SUM_CLUSTER_BLOCKS and holds_cluster(
-            target, config, h, tiling, ctas
-        ):
-            return ctas
-    return 1
 
 
 def _backward_batch(operands, dims, **params):
