@@ -73,15 +73,18 @@ class Lowering(NamedTuple):
 
 def _benchmark_shapes(ops=BENCH_OPS, tuned: bool = False):
     """(op, dtype, n, the op's arguments) for the benchmark shapes of ``ops``: one per
-    row length of its table's, ``--quick``'s and ``--latency``'s shapes (the kernels
-    depend on n, not on the number of rows); with ``tuned``, every shape that ``bench
-    --tune`` (and ``--quick --tune``) times, where the launched tiling may depend on m."""
+    row length of its table's and ``--quick``'s shapes (the kernels depend on n there),
+    and every ``--latency`` shape (at few rows the norm backward's kernel depends on the
+    number of row blocks: ``norm._summing_cluster``); with ``tuned``, every shape that
+    ``bench --tune`` (and ``--quick --tune``) times, where the launched tiling may
+    depend on m."""
     for name in ops:
         op = bench.benchmarks()[name]
         for dtype in bench.DTYPES:
             shapes = op.shapes + op.quick_shapes
             if not tuned:
-                shapes = [(m, n) for n, m in {n: m for m, n in shapes + op.latency_shapes}.items()]
+                per_n = [(m, n) for n, m in {n: m for m, n in shapes}.items()]
+                shapes = per_n + [s for s in op.latency_shapes if s not in per_n]
             for m, n in shapes:
                 args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
                 yield op, dtype, n, args

@@ -141,6 +141,19 @@ def resident_clusters(kernel, tiling, target: Target) -> int:
 
 
 _active_clusters = functools.cache(_ffi.max_active_clusters)
+PORTABLE_CLUSTER = 8  # CTAs: a cluster every device of sm_90 runs
+
+
+def holds_cluster(target: Target, config: KernelConfig, aval, tiling, ctas: int) -> bool:
+    """Whether the device lowered for runs a cluster of ``ctas`` CTAs of the kernel of
+    ``config`` for rows like ``aval``'s (the driver's occupancy count): always up to
+    ``PORTABLE_CLUSTER``, and never beyond it where no device is present."""
+    if ctas <= PORTABLE_CLUSTER:
+        return True
+    if target.device is None:
+        return False
+    kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
+    return _active_clusters(kernel, tiling.num_threads, ctas, target.device) >= 1
 
 
 # Where XLA's fused formulation (the primitive's reference) is faster than the kernel:
@@ -225,19 +238,26 @@ def grid_is_one_wave(one_wave: bool) -> bool:
     return one_wave if _grids[-1] is None else _grids[-1]
 
 
-def persistent_call(target: Target, config: KernelConfig, aval, tiling, results, one_wave=True):
+def persistent_call(
+    target: Target, config: KernelConfig, aval, tiling, results, one_wave=True, one_cluster=1
+):
     """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
     clusters (``resident_clusters``; at most one per row block), or with ``one_wave``
-    false on one CTA per row block (see ``persistent_grid``); ``results(ctas)`` gives the
-    result structs, which may depend on the grid (per-CTA partials)."""
+    false on one CTA per row block (see ``persistent_grid``), or with ``one_cluster`` > 1
+    (tilings without a cluster of their own) as one cluster of that many CTAs along x;
+    ``results(ctas)`` gives the result structs, which may depend on the grid (per-CTA
+    partials)."""
     m = rows(aval)
     kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
-    ctas = -(-m // tiling.rows_per_cta)
-    if grid_is_one_wave(one_wave):
+    ctas, cluster = -(-m // tiling.rows_per_cta), tiling.cluster
+    if one_cluster > 1:
+        assert tiling.cluster_n == 1, tiling
+        ctas, cluster = one_cluster, (one_cluster, 1, 1)
+    elif grid_is_one_wave(one_wave):
         ctas = min(ctas, resident_clusters(kernel, tiling, target))
     grid = (ctas, tiling.cluster_n, 1)
     scalars = (m, *config.scalars())
-    return _ffi.call(kernel, grid, tiling.block, tiling.cluster, scalars, results(ctas))
+    return _ffi.call(kernel, grid, tiling.block, cluster, scalars, results(ctas))
 
 
 class RowwisePrimitive:

@@ -28,12 +28,15 @@ from ._configs import KernelConfig, option, scalar
 from ._implementation import use_xla
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import (
+    PORTABLE_CLUSTER,
     RowwisePrimitive,
     Target,
     compute_dtype,
     grid_is_one_wave,
+    holds_cluster,
     persistent_call,
     row_tiling,
+    rows,
 )
 from ._spec import FWD_COLUMNS, TILINGS, Benchmark, Case, OpSpec, Shapes, Tuned, fwd_bwd
 from ._tiling import one_wave
@@ -68,6 +71,7 @@ class NormBackward(KernelConfig):
     dh: bool = option(False)
     weight_grad: bool = option(False)
     bias_grad: bool = option(False)
+    summing: bool = option(False)  # launched as one cluster that sums its own partials
     offset: float | None = scalar()  # with a weight only
 
 
@@ -223,14 +227,21 @@ def backward_live(weight, dh, weight_grad, bias_grad):
     return 2 + dh + weight + weight_grad + bias_grad
 
 
+def _backward_tiling(rms, dy, h, *, weight, dh, weight_grad, bias_grad):
+    """The backward's tiling for cotangents like ``dy`` of rows like ``h`` (see
+    ``row_tiling``)."""
+    widest = max(dy.dtype.itemsize, h.dtype.itemsize)
+    staged = dy.dtype.itemsize + h.dtype.itemsize * (1 + dh)
+    family = f"{'rms' if rms else 'layer'}_norm_bwd"
+    live = backward_live(weight, dh, weight_grad, bias_grad)
+    return row_tiling(h, family, widest, live, staged)
+
+
 def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flags):
     dy, h = avals_in[:2]
     w, *_ = _split(avals_in[2:], flags["weight"])
     grads = flags["weight_grad"] + flags["bias_grad"]
-    widest = max(dy.dtype.itemsize, h.dtype.itemsize)
-    staged = dy.dtype.itemsize + h.dtype.itemsize * (1 + flags["dh"])
-    family = f"{'rms' if rms else 'layer'}_norm_bwd"
-    tiling = row_tiling(h, family, widest, backward_live(**flags), staged)
+    tiling = _backward_tiling(rms, dy, h, **flags)
     if tiling is None:
         return None
     config = NormBackward(
@@ -243,16 +254,52 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         offset=float(offset) if w is not None else None,
     )
 
-    def results(ctas):
-        return [avals_out[0]] + [jax.ShapeDtypeStruct((ctas, h.shape[-1]), jnp.float32)] * grads
+    summing = dataclasses.replace(config, summing=True)
+    cluster = _summing_cluster(target, summing, h, tiling) if grads else 1
+    config = summing if cluster > 1 else config
 
-    launch = persistent_call(target, config, h, tiling, results)
+    def results(ctas):
+        n = h.shape[-1]
+        partials = [jax.ShapeDtypeStruct((ctas, n), jnp.float32)] * grads
+        totals = [jax.ShapeDtypeStruct((n,), jnp.float32)] * grads * (cluster > 1)
+        return [avals_out[0], *partials, *totals]
+
+    launch = persistent_call(target, config, h, tiling, results, one_cluster=cluster)
 
     def fn(*operands):
-        dx, *parts = launch(*operands)
-        return [dx] + [jnp.sum(p, axis=0) for p in parts]
+        dx, *outs = launch(*operands)
+        partials, totals = outs[:grads], outs[grads:]
+        return [dx] + (totals if cluster > 1 else [jnp.sum(p, axis=0) for p in partials])
 
     return fn
+
+
+# The backward of few row blocks as one cluster that sums its own weight-gradient
+# partials: measured on the H200 against XLA's sum of the partials (benchmarks/NOTES.md,
+# eleventh session), bfloat16 RMSNorm and LayerNorm over 8-512 rows of 1024-8192. Up to
+# 16 CTAs walking up to 2 row blocks each took 1.05-1.7x less time (backward kernel and
+# XLA's sum), except 0.98x at 64 x 4096 with a cluster of 8; 4 or 8 blocks a CTA took
+# 1.1-1.6x more at 64-128 rows of 2048-8192.
+SUM_CLUSTER_CTAS = 16
+SUM_CLUSTER_BLOCKS = 2
+
+
+def _summing_cluster(target: Target, config: NormBackward, h, tiling) -> int:
+    """The CTAs of the one cluster that runs a backward over ``h``'s rows and sums the
+    weight-gradient partials itself (``config``'s summing variant, see
+    ``kernels/norm.py``), or 1 where XLA sums them: two row blocks or more, at most
+    SUM_CLUSTER_BLOCKS a CTA of a cluster of up to SUM_CLUSTER_CTAS that the device holds
+    (else of up to a portable cluster), on a tiling without a cluster of its own."""
+    blocks = -(-rows(h) // tiling.rows_per_cta)
+    if tiling.cluster_n > 1 or blocks < 2:
+        return 1
+    for largest in (SUM_CLUSTER_CTAS, min(SUM_CLUSTER_CTAS, PORTABLE_CLUSTER)):
+        ctas = min(blocks, largest)
+        if blocks <= largest * SUM_CLUSTER_BLOCKS and holds_cluster(
+            target, config, h, tiling, ctas
+        ):
+            return ctas
+    return 1
 
 
 def _backward_batch(operands, dims, **params):
@@ -548,9 +595,9 @@ NORM_MIXES = ((False, False), (True, False), (True, True))  # (residual, prenorm
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """Forward and backward (``jax.vjp``) of ``op`` for the usual operand mixes: no weight,
     or weights in x's dtype or float32; no residual, a residual, a pre-norm one.
-    ``packaged``: weights in x's dtype or float32, no residual or a pre-norm one."""
-    apply = rms_norm if op == "rms_norm" else layer_norm
-    row = jax.ShapeDtypeStruct((8, n), dtype)
+    ``packaged``: weights in x's dtype or float32, no residual or a pre-norm one. Each at
+    the row counts that take each backward kernel (``_backward_row_counts``)."""
+    apply, rms = (rms_norm, True) if op == "rms_norm" else (layer_norm, False)
     param_dtypes = (dtype, "float32") if packaged else (None, dtype, "float32")
     for param_dtype in param_dtypes:
         vec = jax.ShapeDtypeStruct((n,), param_dtype) if param_dtype else None
@@ -564,7 +611,23 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
                 out, vjp = jax.vjp(f, x, params, res)
                 return out, vjp((dy, x) if prenorm else dy)
 
-            yield fn, (row, params, row if residual else None, row)
+            grads = vec is not None
+            flags = dict(weight=grads, dh=prenorm, weight_grad=grads, bias_grad=grads and not rms)
+            for m in _backward_row_counts(rms, dtype, n, flags):
+                row = jax.ShapeDtypeStruct((m, n), dtype)
+                yield fn, (row, params, row if residual else None, row)
+
+
+def _backward_row_counts(rms, dtype, n, flags) -> tuple[int, ...]:
+    """Row counts at which a backward with ``flags`` launches each of its kernels: two row
+    blocks (one cluster that sums its own partials, where the tiling has no cluster of its
+    own) and more blocks than a summing cluster takes (XLA sums the partials)."""
+    row = jax.ShapeDtypeStruct((1, n), dtype)
+    tiling = _backward_tiling(rms, row, row, **flags)
+    if tiling is None:
+        return (8,)
+    blocks = (2, 2 * SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS + 1)
+    return tuple(b * tiling.rows_per_cta for b in blocks)
 
 
 def _benchmarks():

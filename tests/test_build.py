@@ -253,13 +253,15 @@ def test_packaged_cubins_run_the_quick_benchmark(wheel_only):
 
 def test_packaged_cubins_cover_the_packaged_row_lengths(wheel_only):
     """Each op with kernels has the same kernel variants packaged at each of its row
-    lengths (``build.packaged_sizes``) in each dtype, and those lengths include the norms'
+    lengths (``build.packaged_sizes``) in each dtype (but the norm backward's summing
+    variant, which exists only where its tiling has no cluster of its own), and those
+    lengths include the norms'
     QK-norm head sizes and every multiple of 256 up to 8192, and the 32000 vocabulary
     (Llama 2, Mistral v0.1) for cross-entropy."""
     name = re.compile(r"([a-z_]+)((?:-[a-z_]+=[^-]+)*)-([a-z0-9]+)-n(\d+)-")
     variants = collections.defaultdict(set)  # (op, dtype, n) -> kernel ops and variants
     for path in wheel_only:
-        kernel, variant, dtype, n = name.match(path.name).groups()
+        kernel, variant, dtype, n = name.match(path.name.replace("-summing=True", "")).groups()
         for op in _registry.public_ops(kernel):
             variants[op, dtype, int(n)].add(kernel + variant)
     hidden = {64, 128, *range(256, 8192 + 1, 256)}
@@ -558,6 +560,13 @@ def test_every_norm_variant_compiles(cache):
     assert len(entries) > 150
     for path in entries:
         assert cubin_arch(base64.b64decode(json.loads(path.read_text())["cubin"])) == 90
+    # the backward that sums its own partials on one cluster (few rows), beside the one
+    # whose partials XLA sums (many rows)
+    names = {path.name for path in entries}
+    summing = {name for name in names if "-summing=True" in name}
+    assert {name.replace("-summing=True", "") for name in summing} <= names
+    for op, n in itertools.product(norms, (7, 4096)):
+        assert any(name.startswith(f"{op}_bwd") and f"-n{n}-" in name for name in summing)
 
 
 @pytest.mark.cutlass

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import quack_jax
 from quack_jax import _cache, _ffi, _primitive
+from quack_jax import norm as norm_module
 from quack_jax._registry import specs as op_specs
 
 OPS = {"rms_norm": quack_jax.rms_norm, "layer_norm": quack_jax.layer_norm}
@@ -312,6 +313,46 @@ def test_forward_backward(backend, m, n, dtype, rms_mix, layer_mix):
         for op, mix in zip(OPS, (rms_mix, layer_mix), strict=True)
     ]
     run_cases(backend, cases)
+
+
+# row lengths whose bfloat16 backward takes one row a CTA, without a cluster of its own
+ONE_ROW_A_CTA = {"rms_norm": 8192, "layer_norm": 4096}
+
+
+def cluster_dims(fn, *args):
+    """The cluster shape of each kernel that ``fn`` launches, as lowered for CUDA."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [d.split(">", 1)[0] for d in text.split("cluster = dense<")[1:]]
+
+
+def summing_cases(ctas, blocks):
+    """(op, mix name, shape, dtype, whether the backward must be one cluster of ``ctas``)
+    for the test below."""
+    mixes = ("weight_residual_prenorm", "fp32_params_offset")
+    for m, n, dtype in ((ctas * blocks, None, "bfloat16"), (ctas * blocks - 1, 1000, "float32")):
+        for op, mix in zip(OPS, mixes, strict=True):
+            yield op, mix, (m, n or ONE_ROW_A_CTA[op]), dtype, n is None
+
+
+SUMMING_CLUSTERS = [(2, 1), (8, 1), (8, 4), (16, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("ctas", "blocks"), SUMMING_CLUSTERS)
+def test_weight_gradients_summed_in_one_cluster(monkeypatch, ctas, blocks):
+    """The backward on a grid of one cluster that sums its weight-gradient partials
+    itself, for clusters of 2 to 16 CTAs and up to 4 row blocks a CTA, with LayerNorm's
+    bias gradient beside the weight's: values, gradients and the same bits again."""
+    monkeypatch.setattr(norm_module, "SUM_CLUSTER_CTAS", ctas)
+    monkeypatch.setattr(norm_module, "SUM_CLUSTER_BLOCKS", blocks)
+    cases = []
+    for op, mix, shape, dtype, one_cluster in summing_cases(ctas, blocks):
+        args = operands("gpu", op, shape, dtype, MIXES[mix], key_for(op, shape, ctas, blocks))
+        cases.append((op, mix, args))
+        backward = cluster_dims(forward_backward(op, MIXES[mix]), *args)[-1]
+        if one_cluster:
+            assert backward == f"[{ctas}, 1, 1]", (op, shape, backward)
+    run_cases("gpu", cases)
 
 
 def mix_sizes():
@@ -1071,6 +1112,21 @@ def test_cuda_lowering_launches_forward_and_backward_kernels(cuda, op):
     assert {k[0] for k in _cache._memory} == {f"{op}_fwd", f"{op}_bwd"}
 
 
+@pytest.mark.cutlass
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_lowering_sums_weight_gradients_in_the_kernel_at_few_rows(cuda, op):
+    """Over few row blocks the backward is one cluster along x that sums its weight- (and
+    bias-) gradient partials itself: no reduction follows it. Over many, XLA sums them."""
+    mix = Mix(weight="float32", bias="float32")
+    for m, summed in ((_primitive.PORTABLE_CLUSTER, True), (4096, False)):
+        args = specs(op, (m, ONE_ROW_A_CTA[op]), "bfloat16", mix)
+        text = jax.jit(forward_backward(op, mix)).trace(*args).lower(lowering_platforms=("cuda",))
+        text = text.as_text()
+        backward = text.split("cluster = dense<")[-1].split(">", 1)[0]
+        assert backward == (f"[{m}, 1, 1]" if summed else "1"), (m, backward)
+        assert text.count("stablehlo.reduce") == (0 if summed else 1 + (op == "layer_norm"))
+
+
 LOWERING_MIXES = {
     "residual": Mix(residual=True),
     "weight_f32": Mix(weight="float32"),
@@ -1120,6 +1176,7 @@ def prebuild_cases():
     for op, n, dtype in itertools.product(OPS, gpu.special, gpu.dtypes):
         cases.append((op, SPECIAL_MIX, (8, n), dtype))
     cases += [(op, name, shape, dtype) for op in OPS for shape, dtype, name in LEADING]
+    cases += [case[:4] for sizes in SUMMING_CLUSTERS for case in summing_cases(*sizes)]
     for op, name, shape, dtype in cases:
         yield forward_backward(op, MIXES[name]), specs(op, shape, dtype, MIXES[name])
 

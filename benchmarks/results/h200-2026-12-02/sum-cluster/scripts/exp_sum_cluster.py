@@ -23,11 +23,12 @@ SHAPES = {
 # (label, SUM_CLUSTER_CTAS, SUM_CLUSTER_BLOCKS); the first is XLA summing the partials
 CONFIGS = [("xla-sum", 1, 1), ("c8b1", 8, 1), ("c8b2", 8, 2), ("c8b4", 8, 4), ("c8b8", 8, 8)]
 CONFIGS += [("c16b4", 16, 4)]
+RULE = [("xla-sum", 1, 1), ("rule", 16, 2)]  # ``run DIR rule``: the rule taken (call 5)
 ROUNDS = 3
 DTYPE = "bfloat16"
 
 
-def run(folder: pathlib.Path):
+def run(folder: pathlib.Path, configs=CONFIGS):
     import jax
     import profile_kernels
 
@@ -40,7 +41,7 @@ def run(folder: pathlib.Path):
         for m, n in shapes:
             (arguments,) = bench.make_inputs(op.arguments(m, n, DTYPE), 1, seed=m * n)
             operands = jax.jit(t.prepare)(*arguments)
-            for label, ctas, blocks in CONFIGS:
+            for label, ctas, blocks in configs:
                 norm.SUM_CLUSTER_CTAS, norm.SUM_CLUSTER_BLOCKS = ctas, blocks
                 jax.clear_caches()
                 try:
@@ -83,4 +84,7 @@ def report(folder: pathlib.Path):
 
 
 if __name__ == "__main__":
-    {"run": run, "report": report}[sys.argv[1]](pathlib.Path(sys.argv[2]))
+    if sys.argv[1] == "run":
+        run(pathlib.Path(sys.argv[2]), RULE if sys.argv[3:] == ["rule"] else CONFIGS)
+    else:
+        report(pathlib.Path(sys.argv[2]))
