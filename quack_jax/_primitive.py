@@ -141,19 +141,6 @@ def resident_clusters(kernel, tiling, target: Target) -> int:
 
 
 _active_clusters = functools.cache(_ffi.max_active_clusters)
-PORTABLE_CLUSTER = 8  # CTAs: a cluster every device of sm_90 runs
-
-
-def holds_cluster(target: Target, config: KernelConfig, aval, tiling, ctas: int) -> bool:
-    """Whether the device lowered for runs a cluster of ``ctas`` CTAs of the kernel of
-    ``config`` for rows like ``aval``'s (the driver's occupancy count): always up to
-    ``PORTABLE_CLUSTER``, and never beyond it where no device is present."""
-    if ctas <= PORTABLE_CLUSTER:
-        return True
-    if target.device is None:
-        return False
-    kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
-    return _active_clusters(kernel, tiling.num_threads, ctas, target.device) >= 1
 
 
 # Where XLA's fused formulation (the primitive's reference) is faster than the kernel:
@@ -251,7 +238,6 @@ def persistent_call(
     kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
     ctas, cluster = -(-m // tiling.rows_per_cta), tiling.cluster
     if one_cluster > 1:
-        assert tiling.cluster_n == 1, tiling
         ctas, cluster = one_cluster, (one_cluster, 1, 1)
     elif grid_is_one_wave(one_wave):
         ctas = min(ctas, resident_clusters(kernel, tiling, target))

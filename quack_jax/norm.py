@@ -28,12 +28,10 @@ from ._configs import KernelConfig, option, scalar
 from ._implementation import use_xla
 from ._partition import ROWS, STAT, VECTOR, WHOLE, role_aval, varying_like
 from ._primitive import (
-    PORTABLE_CLUSTER,
     RowwisePrimitive,
     Target,
     compute_dtype,
     grid_is_one_wave,
-    holds_cluster,
     persistent_call,
     row_tiling,
     rows,
@@ -254,9 +252,8 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         offset=float(offset) if w is not None else None,
     )
 
-    summing = dataclasses.replace(config, summing=True)
-    cluster = _summing_cluster(target, summing, h, tiling) if grads else 1
-    config = summing if cluster > 1 else config
+    cluster = _summing_cluster(tiling, rows(h)) if grads else 1
+    config = dataclasses.replace(config, summing=cluster > 1)
 
     def results(ctas):
         n = h.shape[-1]
@@ -275,31 +272,26 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
 
 
 # The backward of few row blocks as one cluster that sums its own weight-gradient
-# partials: measured on the H200 against XLA's sum of the partials (benchmarks/NOTES.md,
-# eleventh session), bfloat16 RMSNorm and LayerNorm over 8-512 rows of 1024-8192. Up to
-# 16 CTAs walking up to 2 row blocks each took 1.05-1.7x less time (backward kernel and
-# XLA's sum), except 0.98x at 64 x 4096 with a cluster of 8; 4 or 8 blocks a CTA took
-# 1.1-1.6x more at 64-128 rows of 2048-8192.
-SUM_CLUSTER_CTAS = 16
+# partials (the summing variant): measured on the H200 against XLA's sum of the
+# partials (benchmarks/NOTES.md, eleventh session), bfloat16 RMSNorm and LayerNorm over
+# 8-512 rows of 1024-8192, by the backward's kernel time with XLA's sum. Clusters of 8
+# CTAs walking up to 2 row blocks each took 1.01-1.67x less time; 4 or 8 blocks a CTA
+# took up to 1.6x more. 8 CTAs is the portable size, which every sm_90 device runs, so
+# the choice does not depend on the device lowered for (16 measured up to 1.2x faster
+# at 32 blocks, but a build without a GPU could not tell which cubins it needs).
+SUM_CLUSTER_CTAS = 8
 SUM_CLUSTER_BLOCKS = 2
 
 
-def _summing_cluster(target: Target, config: NormBackward, h, tiling) -> int:
-    """The CTAs of the one cluster that runs a backward over ``h``'s rows and sums the
-    weight-gradient partials itself (``config``'s summing variant, see
-    ``kernels/norm.py``), or 1 where XLA sums them: two row blocks or more, at most
-    SUM_CLUSTER_BLOCKS a CTA of a cluster of up to SUM_CLUSTER_CTAS that the device holds
-    (else of up to a portable cluster), on a tiling without a cluster of its own."""
-    blocks = -(-rows(h) // tiling.rows_per_cta)
-    if tiling.cluster_n > 1 or blocks < 2:
+def _summing_cluster(tiling, m: int) -> int:
+    """The CTAs of the one cluster that runs a backward over ``m`` rows and sums the
+    weight-gradient partials itself (the summing variant, see ``kernels/norm.py``), or 1
+    where XLA sums them: from two row blocks to SUM_CLUSTER_BLOCKS a CTA of a cluster of
+    up to SUM_CLUSTER_CTAS, on a tiling without a cluster of its own."""
+    blocks = -(-m // tiling.rows_per_cta)
+    if tiling.cluster_n > 1 or not 2 <= blocks <= SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS:
         return 1
-    for largest in (SUM_CLUSTER_CTAS, min(SUM_CLUSTER_CTAS, PORTABLE_CLUSTER)):
-        ctas = min(blocks, largest)
-        if blocks <= largest * SUM_CLUSTER_BLOCKS and holds_cluster(
-            target, config, h, tiling, ctas
-        ):
-            return ctas
-    return 1
+    return min(blocks, SUM_CLUSTER_CTAS)
 
 
 def _backward_batch(operands, dims, **params):

@@ -1118,7 +1118,7 @@ def test_cuda_lowering_sums_weight_gradients_in_the_kernel_at_few_rows(cuda, op)
     """Over few row blocks the backward is one cluster along x that sums its weight- (and
     bias-) gradient partials itself: no reduction follows it. Over many, XLA sums them."""
     mix = Mix(weight="float32", bias="float32")
-    for m, summed in ((_primitive.PORTABLE_CLUSTER, True), (4096, False)):
+    for m, summed in ((norm_module.SUM_CLUSTER_CTAS, True), (4096, False)):
         args = specs(op, (m, ONE_ROW_A_CTA[op]), "bfloat16", mix)
         text = jax.jit(forward_backward(op, mix)).trace(*args).lower(lowering_platforms=("cuda",))
         text = text.as_text()

@@ -23,7 +23,7 @@ SHAPES = {
 # (label, SUM_CLUSTER_CTAS, SUM_CLUSTER_BLOCKS); the first is XLA summing the partials
 CONFIGS = [("xla-sum", 1, 1), ("c8b1", 8, 1), ("c8b2", 8, 2), ("c8b4", 8, 4), ("c8b8", 8, 8)]
 CONFIGS += [("c16b4", 16, 4)]
-RULE = [("xla-sum", 1, 1), ("rule", 16, 2)]  # ``run DIR rule``: the rule taken (call 5)
+RULE = [("xla-sum", 1, 1), ("rule", 16, 2)]  # ``run DIR rule``: call 5's rule (16 CTAs)
 ROUNDS = 3
 DTYPE = "bfloat16"
 
