@@ -618,7 +618,7 @@ def _backward_row_counts(rms, dtype, n, flags) -> tuple[int, ...]:
     tiling = _backward_tiling(rms, row, row, **flags)
     if tiling is None:
         return (8,)
-    blocks = (2, 2 * SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS + 1)
+    blocks = (2, SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS + 1)
     return tuple(b * tiling.rows_per_cta for b in blocks)
 
 
