@@ -255,9 +255,8 @@ def test_packaged_cubins_cover_the_packaged_row_lengths(wheel_only):
     """Each op with kernels has the same kernel variants packaged at each of its row
     lengths (``build.packaged_sizes``) in each dtype (but the norm backward's summing
     variant, which exists only where its tiling has no cluster of its own), and those
-    lengths include the norms'
-    QK-norm head sizes and every multiple of 256 up to 8192, and the 32000 vocabulary
-    (Llama 2, Mistral v0.1) for cross-entropy."""
+    lengths include the norms' QK-norm head sizes and every multiple of 256 up to 8192,
+    and the 32000 vocabulary (Llama 2, Mistral v0.1) for cross-entropy."""
     name = re.compile(r"([a-z_]+)((?:-[a-z_]+=[^-]+)*)-([a-z0-9]+)-n(\d+)-")
     variants = collections.defaultdict(set)  # (op, dtype, n) -> kernel ops and variants
     for path in wheel_only:
