@@ -2,13 +2,14 @@
 
 ``_forward`` computes y, h = x + residual (when there is one) and the per-row statistics
 the backward needs (rstd, and mean for LayerNorm) in one pass. ``_backward`` computes dx
-from dy, h and the statistics, plus the weight and bias gradients from per-CTA partials
-of a persistent grid; no normalised copy of x is ever stored. ``_tangent``, linear in
-the tangents of x, the residual, weight and bias, is the forward-mode derivative (XLA
-everywhere); its transpose binds ``_backward``, so ``jax.jvp`` runs the forward kernel
-and ``jax.grad`` the forward and backward kernels. With the normalised axis split
-across devices (under a sharded ``jit``), each device runs the XLA reference on its
-slice of the rows, with the rows' means ``psum``'d.
+from dy, h and the statistics, plus the weight and bias gradients from per-CTA partials:
+of a persistent grid, summed by XLA, or over few row blocks of one cluster, whose kernel
+sums them itself (``_summing_cluster``); no normalised copy of x is ever stored.
+``_tangent``, linear in the tangents of x, the residual, weight and bias, is the
+forward-mode derivative (XLA everywhere); its transpose binds ``_backward``, so
+``jax.jvp`` runs the forward kernel and ``jax.grad`` the forward and backward kernels.
+With the normalised axis split across devices (under a sharded ``jit``), each device
+runs the XLA reference on its slice of the rows, with the rows' means ``psum``'d.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class NormForward(KernelConfig):
 @dataclasses.dataclass(frozen=True)
 class NormBackward(KernelConfig):
     """RMSNorm or LayerNorm backward: dx, and per-CTA partials of the weight and bias
-    gradients."""
+    gradients; with ``summing`` also their sums, over the one cluster that is the grid."""
 
     kernel_class = "norm:NormBackward"
     kernels: ClassVar[dict] = {"rms_norm_bwd": {"rms": True}, "layer_norm_bwd": {"rms": False}}
