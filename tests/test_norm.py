@@ -319,9 +319,13 @@ def test_forward_backward(backend, m, n, dtype, rms_mix, layer_mix):
 ONE_ROW_A_CTA = {"rms_norm": 8192, "layer_norm": 4096}
 
 
-def cluster_dims(fn, *args):
-    """The cluster shape of each kernel that ``fn`` launches, as lowered for CUDA."""
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def cuda_text(fn, *args):
+    """``fn`` lowered for CUDA, as StableHLO text."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def cluster_dims(text):
+    """The cluster shape of each kernel launched in lowered ``text``."""
     return [d.split(">", 1)[0] for d in text.split("cluster = dense<")[1:]]
 
 
@@ -349,7 +353,7 @@ def test_weight_gradients_summed_in_one_cluster(monkeypatch, ctas, blocks):
     for op, mix, shape, dtype, one_cluster in summing_cases(ctas, blocks):
         args = operands("gpu", op, shape, dtype, MIXES[mix], key_for(op, shape, ctas, blocks))
         cases.append((op, mix, args))
-        backward = cluster_dims(forward_backward(op, MIXES[mix]), *args)[-1]
+        backward = cluster_dims(cuda_text(forward_backward(op, MIXES[mix]), *args))[-1]
         if one_cluster:
             assert backward == f"[{ctas}, 1, 1]", (op, shape, backward)
     run_cases("gpu", cases)
@@ -1067,8 +1071,7 @@ def cuda(kernel_dir, monkeypatch):
 
 
 def launches(fn, *args):
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return text.count(f"custom_call @{_ffi.TARGET}")
+    return cuda_text(fn, *args).count(f"custom_call @{_ffi.TARGET}")
 
 
 @pytest.mark.gpu
@@ -1120,9 +1123,8 @@ def test_cuda_lowering_sums_weight_gradients_in_the_kernel_at_few_rows(cuda, op)
     mix = Mix(weight="float32", bias="float32")
     for m, summed in ((norm_module.SUM_CLUSTER_CTAS, True), (4096, False)):
         args = specs(op, (m, ONE_ROW_A_CTA[op]), "bfloat16", mix)
-        text = jax.jit(forward_backward(op, mix)).trace(*args).lower(lowering_platforms=("cuda",))
-        text = text.as_text()
-        backward = text.split("cluster = dense<")[-1].split(">", 1)[0]
+        text = cuda_text(forward_backward(op, mix), *args)
+        backward = cluster_dims(text)[-1]
         assert backward == (f"[{m}, 1, 1]" if summed else "1"), (m, backward)
         assert text.count("stablehlo.reduce") == (0 if summed else 1 + (op == "layer_norm"))
 
