@@ -26,6 +26,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 # the GPU runs draw row lengths from these, whose kernels prebuild_cases() lists
 GPU_SIZES = {"softmax": (1, 7, 100, 1024, 5000), "norm": (7, 1000, 4096), "ce": (7, 1000)}
 CE_DTYPES = {"cpu": DTYPES, "gpu": ("float32", "bfloat16")}
+MAX_LEAD = 5  # the most rows of each of the (one or two) leading axes drawn
+# the norm backward's kernel depends on the number of row blocks (one, a few that one
+# cluster sums, or many: norm._summing_cluster); the draws make 0-25 rows, and one row,
+# three and 25 reach each kernel of any tiling at those counts
+NORM_ROWS = (1, 3, MAX_LEAD**2)
 NORM_OPTIONS = [
     dict(weight=w, bias=b, residual=r, prenorm=p, out=o)
     for w, b, r, p, o in itertools.product(
@@ -53,10 +58,10 @@ SETTINGS = hypothesis.settings(
 
 @st.composite
 def arrays(draw, sizes, dtypes, huge: float):
-    """(x as float32 numpy holding values of ``dtype``, dtype): leading dims of 0-5 rows,
+    """(x as float32 numpy holding values of ``dtype``, dtype): leading dims of 0-MAX_LEAD rows,
     values of one scale with specials sprinkled in, and maybe a row of -inf."""
     dtype = draw(st.sampled_from(dtypes))
-    lead = draw(st.lists(st.integers(0, 5), min_size=1, max_size=2))
+    lead = draw(st.lists(st.integers(0, MAX_LEAD), min_size=1, max_size=2))
     n = draw(sizes)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     scale = draw(st.sampled_from([1.0, 30.0, 1e-3]))
@@ -315,14 +320,14 @@ def prebuild_cases():
     for dtype, n in itertools.product(DTYPES, GPU_SIZES["softmax"]):
         for log in (False, True):
             yield softmax_program(log), (spec((3, n), dtype),) * 2
-    for dtype, n, rms, options in itertools.product(
-        DTYPES, GPU_SIZES["norm"], (True, False), NORM_OPTIONS
+    for dtype, n, rms, options, m in itertools.product(
+        DTYPES, GPU_SIZES["norm"], (True, False), NORM_OPTIONS, NORM_ROWS
     ):
         if rms and options["bias"] is not None:
             continue
-        row, vec = spec((3, n), dtype), spec((n,), dtype)
+        row, vec = spec((m, n), dtype), spec((n,), dtype)
         w = {None: None, "x": vec, "float32": spec((n,), "float32")}
-        y = spec((3, n), "float32") if options["out"] else row
+        y = spec((m, n), "float32") if options["out"] else row
         args = (row, w[options["weight"]], None if rms else w[options["bias"]])
         args += (row if options["residual"] else None, y, row if options["prenorm"] else None)
         yield norm_program(rms, options), args
