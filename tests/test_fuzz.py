@@ -27,9 +27,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 GPU_SIZES = {"softmax": (1, 7, 100, 1024, 5000), "norm": (7, 1000, 4096), "ce": (7, 1000)}
 CE_DTYPES = {"cpu": DTYPES, "gpu": ("float32", "bfloat16")}
 MAX_LEAD = 5  # the most rows of each of the (one or two) leading axes drawn
-# the norm backward's kernel depends on the number of row blocks (one, a few that one
-# cluster sums, or many: norm._summing_cluster); the draws make 0-25 rows, and one row,
-# three and 25 reach each kernel of any tiling at those counts
+# the norm backward's kernel depends on the number of row blocks (one, 2-16 that one
+# cluster sums, or more: norm._summing_cluster); the draws make 0 to MAX_LEAD**2 rows,
+# and one row, three and the most reach each kernel that any tiling takes at those counts
 NORM_ROWS = (1, 3, MAX_LEAD**2)
 NORM_OPTIONS = [
     dict(weight=w, bias=b, residual=r, prenorm=p, out=o)
