@@ -13,9 +13,11 @@ softmax GPU tests' sizes through the op registry's build functions, and the case
 the test modules with GPU tests, ``sharded.py``, ``train_lm.py`` and ``linear_ce.py``
 list in ``prebuild_cases()``.
 Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
-kernels (variants, tilings) those functions launch get built, for any number of rows
-(each function is lowered twice, with every row count streamed and with none; see
-``quack_jax.build.lower_for_cuda``'s ``any_rows``).
+kernels (variants, tilings) those functions launch get built, with the tilings of any
+number of rows (each function is lowered twice, with every row count streamed and with
+none; see ``quack_jax.build.lower_for_cuda``'s ``any_rows``). The norm backward's
+kernel also depends on the number of row blocks, so each case is lowered at the row
+counts its test runs (``test_fuzz.NORM_ROWS`` for the drawn ones).
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """

@@ -98,9 +98,11 @@ def lower_for_cuda(
     compiles every kernel it launches; returns the StableHLO text. ``path`` (see
     ``_primitive.lowering_path``): by default the kernels at every shape, also where the
     default lowering would pick XLA's path, so that builds hold every kernel.
-    ``any_rows``: the kernels that ``args`` would take with any number of rows, lowered
+    ``any_rows``: the tilings that ``args`` would take with any number of rows, lowered
     once with every row count streamed and once with none (``_tiling.streamed_from``: the
-    tilings of many rows and of few); the text is the second's."""
+    tilings of many rows and of few); the text is the second's. The norm backward's
+    kernel also depends on the number of row blocks (``norm._summing_cluster``): lower
+    it at the row counts of ``norm._backward_row_counts`` to have both."""
     import jax
 
     regimes = (
