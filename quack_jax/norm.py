@@ -243,6 +243,7 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
     tiling = _backward_tiling(rms, dy, h, **flags)
     if tiling is None:
         return None
+    cluster = _summing_cluster(tiling, rows(h)) if grads else 1
     config = NormBackward(
         rms=rms,
         weight=w.dtype.name if w is not None else None,
@@ -250,11 +251,9 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
         dh=flags["dh"],
         weight_grad=flags["weight_grad"],
         bias_grad=flags["bias_grad"],
+        summing=cluster > 1,
         offset=float(offset) if w is not None else None,
     )
-
-    cluster = _summing_cluster(tiling, rows(h)) if grads else 1
-    config = dataclasses.replace(config, summing=cluster > 1)
 
     def results(ctas):
         n = h.shape[-1]
