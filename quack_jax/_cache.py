@@ -58,29 +58,40 @@ class CubinKernel:
         """Registers per thread, from the cubin's EIATTR_REGCOUNT (0 if absent)."""
         return cubin_registers(self.cubin)
 
+    @property
+    def parameters(self) -> int:
+        """The kernel's parameters: its EIATTR_KPARAM_INFO records (one per parameter)."""
+        return sum(attr == 0x17 for attr, _ in nv_info(self.cubin, f".nv.info.{self.symbol}"))
+
 
 def cubin_registers(cubin: bytes) -> int:
-    """The register count in the ``.nv.info`` section of an ELF64 cubin: attribute
-    records are (format u8, attribute u8, then a u16 size and payload for format 4), and
-    EIATTR_REGCOUNT (0x2f) holds (function symbol u32, registers u32)."""
+    """The register count of an ELF64 cubin: EIATTR_REGCOUNT (0x2f) in ``.nv.info`` holds
+    (function symbol u32, registers u32)."""
+    records = nv_info(cubin, ".nv.info")
+    return next((struct.unpack_from("<I", v, 4)[0] for a, v in records if a == 0x2F), 0)
+
+
+def nv_info(cubin: bytes, section: str):
+    """(attribute, payload) of each attribute record in ``section`` of an ELF64 cubin
+    (``.nv.info``, or ``.nv.info.<kernel>``): records are (format u8, attribute u8, then a
+    u16 size and payload for format 4; other formats carry no payload here)."""
     shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
     entsize, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
     sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize) for i in range(count)]
     strtab = sections[names][4]
     for name, _, _, _, offset, size, *_ in sections:
-        if cubin[strtab + name : cubin.index(b"\0", strtab + name)] != b".nv.info":
+        if cubin[strtab + name : cubin.index(b"\0", strtab + name)] != section.encode():
             continue
         at = offset
         while at < offset + size:
             fmt, attr = cubin[at], cubin[at + 1]
             if fmt == 4:
                 length = struct.unpack_from("<H", cubin, at + 2)[0]
-                if attr == 0x2F:
-                    return struct.unpack_from("<I", cubin, at + 8)[0]
+                yield attr, cubin[at + 4 : at + 4 + length]
                 at += 4 + length
             else:
+                yield attr, b""
                 at += 4 if fmt in (2, 3) else 2
-    return 0
 
 
 PACKAGED = pathlib.Path(__file__).with_name("cubins")

@@ -75,6 +75,9 @@ def call(
     32 bits (ints as int32, floats as float32). ``aliases`` maps an operand's index to
     the result written over it (the kernel works in place: one buffer for both).
 
+    A kernel whose parameters are not that many is an error here, at lowering, rather
+    than a launch that reads the wrong arguments.
+
     With ``QUACK_JAX_POISON_OUTPUTS=1`` at lowering time the launcher fills the outputs
     with NaN first, so a test sees any element the kernel fails to write.
     """
@@ -99,4 +102,15 @@ def call(
         [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in results],
         input_output_aliases=aliases,
     )
-    return lambda *operands: launch(*operands, **attributes)
+
+    def checked(*operands):
+        passed = len(operands) + len(results) + len(scalars)
+        if passed != kernel.parameters:
+            raise RuntimeError(
+                f"{kernel.symbol} takes {kernel.parameters} parameters; this call would pass "
+                f"{passed} ({len(operands)} operands, {len(results)} results, "
+                f"{len(scalars)} scalars)"
+            )
+        return launch(*operands, **attributes)
+
+    return checked

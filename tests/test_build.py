@@ -391,6 +391,23 @@ def test_occupancy_query_failure_names_the_kernel():
         _ffi.max_active_clusters(kernel, 128, 1, 0)
 
 
+@pytest.mark.cutlass
+def test_a_call_that_misses_a_kernel_parameter_is_an_error_at_lowering(cache):
+    """The launcher passes a pointer per operand and result, then the scalars; a call
+    whose count differs from the kernel's parameters (softmax's forward: x, y, m) raises
+    at lowering, naming the kernel, instead of launching with the wrong arguments."""
+    tiling = choose_tiling("softmax_fwd", 4096, 2)
+    kernel = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
+    assert kernel.parameters == 3
+    x = jax.ShapeDtypeStruct((4, 4096), jnp.bfloat16)
+    good = _ffi.call(kernel, (4, 1, 1), tiling.block, (1, 1, 1), (4,), [x])
+    text = jax.jit(good).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(f"custom_call @{_ffi.TARGET}") == 1
+    bad = _ffi.call(kernel, (4, 1, 1), tiling.block, (1, 1, 1), (4,), [x, x])
+    with pytest.raises(RuntimeError, match=f"{kernel.symbol} takes 3 parameters; .* pass 4 "):
+        jax.jit(bad).trace(x)
+
+
 @pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="manylinux: x86_64 only")
 def test_wheel_is_manylinux_and_licensed(tmp_path):
     """`pip wheel .` makes one py3-none-manylinux wheel carrying the license and exactly
