@@ -103,11 +103,13 @@ def call(
         input_output_aliases=aliases,
     )
 
+    parameters = kernel.parameters  # read from the cubin once per call site
+
     def checked(*operands):
         passed = len(operands) + len(results) + len(scalars)
-        if passed != kernel.parameters:
+        if passed != parameters:
             raise RuntimeError(
-                f"{kernel.symbol} takes {kernel.parameters} parameters; this call would pass "
+                f"{kernel.symbol} takes {parameters} parameters; this call would pass "
                 f"{passed} ({len(operands)} operands, {len(results)} results, "
                 f"{len(scalars)} scalars)"
             )
