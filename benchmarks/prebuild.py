@@ -13,11 +13,9 @@ softmax GPU tests' sizes through the op registry's build functions, and the case
 the test modules with GPU tests, ``sharded.py``, ``train_lm.py`` and ``linear_ce.py``
 list in ``prebuild_cases()``.
 Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
-kernels (variants, tilings) those functions launch get built, with the tilings of any
-number of rows (each function is lowered twice, with every row count streamed and with
-none; see ``quack_jax.build.lower_for_cuda``'s ``any_rows``). The norm backward's
-kernel also depends on the number of row blocks, so each case is lowered at the row
-counts its test runs (``test_fuzz.NORM_ROWS`` for the drawn ones).
+kernels (variants, tilings) those functions launch get built, at any number of rows
+(each function is lowered once with few rows and once with many; see
+``quack_jax.build.lower_for_cuda``'s ``any_rows``).
 
 Carry the cache folder to the GPU machine and point QUACK_JAX_CACHE at it.
 """
@@ -75,18 +73,16 @@ class Lowering(NamedTuple):
 
 def _benchmark_shapes(ops=BENCH_OPS, tuned: bool = False):
     """(op, dtype, n, the op's arguments) for the benchmark shapes of ``ops``: one per
-    row length of its table's and ``--quick``'s shapes (the kernels depend on n there),
-    and every ``--latency`` shape (at few rows the norm backward's kernel depends on the
-    number of row blocks: ``norm._summing_cluster``); with ``tuned``, every shape that
-    ``bench --tune`` (and ``--quick --tune``) times, where the launched tiling may
-    depend on m."""
+    row length of its table's, ``--quick``'s and ``--latency``'s shapes (each lowering
+    holds the kernels of any number of rows); with ``tuned``, every shape that ``bench
+    --tune`` (and ``--quick --tune``) times, where the launched tiling may depend on m."""
     for name in ops:
         op = bench.benchmarks()[name]
         for dtype in bench.DTYPES:
             shapes = op.shapes + op.quick_shapes
             if not tuned:
-                per_n = [(m, n) for n, m in {n: m for m, n in shapes}.items()]
-                shapes = per_n + [s for s in op.latency_shapes if s not in per_n]
+                per_n = {n: m for m, n in shapes + op.latency_shapes}
+                shapes = [(m, n) for n, m in per_n.items()]
             for m, n in shapes:
                 args = tuple(jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(m, n, dtype))
                 yield op, dtype, n, args

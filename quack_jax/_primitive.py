@@ -34,7 +34,7 @@ from ._configs import KernelConfig
 from ._jax_private import new_primitive
 from ._partition import ROWS, partitioned
 from ._spec import QK_NORM_SIZES
-from ._tiling import choose_tiling
+from ._tiling import STREAM_MIN_ROWS, choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
 KERNEL_ARCHS = {"9.0": "sm_90a"}
@@ -97,12 +97,39 @@ def rows(aval) -> int:
     return math.prod(aval.shape[:-1])
 
 
+# Kernel choices that depend on the number of rows (the streamed tilings from
+# STREAM_MIN_ROWS rows; the norm backward that sums its own weight-gradient partials over
+# few row blocks) take their count through ``counted``, each naming a count of its own
+# for each regime: a build lowers a function once in each (``build.lower_for_cuda``'s
+# ``any_rows``), so that it holds the kernels that any number of rows takes.
+ROW_REGIMES = ("many", "few")
+_regime: list[str | None] = [None]
+
+
+@contextlib.contextmanager
+def row_regime(regime: str):
+    """While tracing inside the block, every choice that depends on the number of rows
+    takes the count it names for ``regime``, one of ``ROW_REGIMES`` (see ``counted``)."""
+    _regime.append(regime)
+    try:
+        yield
+    finally:
+        _regime.pop()
+
+
+def counted(count: int, *, few: int, many: int) -> int:
+    """``count`` (of rows, or of row blocks), or inside ``row_regime`` the count that the
+    caller names for that regime: ``few`` or ``many``."""
+    return {None: count, "few": few, "many": many}[_regime[-1]]
+
+
 def row_tiling(aval, family: str, vec_itemsize=None, live=None, staged_bytes=None):
     """The tiling of ``family`` for rows like ``aval``'s (see ``choose_tiling``), or None
     where the kernels do not apply (dtype, empty or too many rows, rows too long)."""
     n, m = aval.shape[-1], rows(aval)
     if aval.dtype.name in KERNEL_DTYPES and n > 0 and 0 < m <= MAX_ROWS:
-        return choose_tiling(family, n, aval.dtype.itemsize, vec_itemsize, live, staged_bytes, m)
+        itemsize, regime_rows = aval.dtype.itemsize, counted(m, few=1, many=STREAM_MIN_ROWS)
+        return choose_tiling(family, n, itemsize, vec_itemsize, live, staged_bytes, regime_rows)
     return None
 
 

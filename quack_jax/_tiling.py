@@ -304,19 +304,6 @@ _STREAMED_TABLES = {
     ],
 }
 STREAMED = frozenset(family for family, _ in _STREAMED_TABLES)
-_stream_min_rows = [STREAM_MIN_ROWS]
-
-
-@contextlib.contextmanager
-def streamed_from(rows: int):
-    """Streamed tilings from ``rows`` rows on while tracing inside the block: a build
-    lowers its functions with 0 and with more rows than any, so that it holds the kernels
-    that any number of rows takes (``build.lower_for_cuda``'s ``any_rows``)."""
-    _stream_min_rows.append(rows)
-    try:
-        yield
-    finally:
-        _stream_min_rows.pop()
 
 
 # The forward that also writes the gradient (a mean or sum loss under autodiff) reads and
@@ -460,7 +447,7 @@ def _streamed_entry(family: str, n: int, itemsize: int, rows: int) -> tuple | No
     """The streamed table's entry for these rows, or None where they are not streamed
     (rows longer than its last limit, the longest the kernels were tested on, included)."""
     table = _STREAMED_TABLES.get((family, min(itemsize, 4)))
-    if rows < _stream_min_rows[-1] or table is None or not _streamable(family, n, itemsize):
+    if rows < STREAM_MIN_ROWS or table is None or not _streamable(family, n, itemsize):
         return None
     return next((v for limit, v in table if n <= limit), None)
 

@@ -36,9 +36,9 @@ import time
 from collections.abc import Callable
 
 from . import _cache, _registry
-from ._primitive import MAX_ROWS, lowering_path
+from ._primitive import ROW_REGIMES, lowering_path, row_regime
 from ._spec import QK_NORM_SIZES, OpSpec
-from ._tiling import ITEMSIZE, streamed_from
+from ._tiling import ITEMSIZE
 
 ARCHS = ("sm_90a",)
 DTYPES = tuple(ITEMSIZE)
@@ -98,16 +98,14 @@ def lower_for_cuda(
     compiles every kernel it launches; returns the StableHLO text. ``path`` (see
     ``_primitive.lowering_path``): by default the kernels at every shape, also where the
     default lowering would pick XLA's path, so that builds hold every kernel.
-    ``any_rows``: the tilings that ``args`` would take with any number of rows, lowered
-    once with every row count streamed and once with none (``_tiling.streamed_from``: the
-    tilings of many rows and of few); the text is the second's. The norm backward's
-    kernel also depends on the number of row blocks (``norm._summing_cluster``): lower
-    it at the row counts of ``norm._backward_row_counts`` to have both."""
+    ``any_rows``: the kernels that ``args`` would take with any number of rows, lowered
+    once in each of ``_primitive.ROW_REGIMES`` (see ``_primitive.counted``: few rows take the
+    tilings held in registers and the norm backward that sums its own partials, many
+    rows the streamed tilings and the backward whose partials XLA sums); the text is the
+    last regime's."""
     import jax
 
-    regimes = (
-        [streamed_from(0), streamed_from(MAX_ROWS + 1)] if any_rows else [contextlib.nullcontext()]
-    )
+    regimes = [row_regime(r) for r in ROW_REGIMES] if any_rows else [contextlib.nullcontext()]
     with _lowering_arch(arch), lowering_path(path):
         for regime in regimes:
             # a fresh function each time: JAX's caches must not return an earlier

@@ -32,6 +32,7 @@ from ._primitive import (
     RowwisePrimitive,
     Target,
     compute_dtype,
+    counted,
     grid_is_one_wave,
     persistent_call,
     row_tiling,
@@ -288,8 +289,9 @@ def _summing_cluster(tiling, m: int) -> int:
     weight-gradient partials itself (the summing variant, see ``kernels/norm.py``), or 1
     where XLA sums them: from two row blocks to SUM_CLUSTER_BLOCKS a CTA of a cluster of
     up to SUM_CLUSTER_CTAS, on a tiling without a cluster of its own."""
-    blocks = -(-m // tiling.rows_per_cta)
-    if tiling.cluster_n > 1 or not 2 <= blocks <= SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS:
+    most = SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS
+    blocks = counted(-(-m // tiling.rows_per_cta), few=2, many=most + 1)
+    if tiling.cluster_n > 1 or not 2 <= blocks <= most:
         return 1
     return min(blocks, SUM_CLUSTER_CTAS)
 
@@ -587,9 +589,8 @@ NORM_MIXES = ((False, False), (True, False), (True, True))  # (residual, prenorm
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """Forward and backward (``jax.vjp``) of ``op`` for the usual operand mixes: no weight,
     or weights in x's dtype or float32; no residual, a residual, a pre-norm one.
-    ``packaged``: weights in x's dtype or float32, no residual or a pre-norm one. Each at
-    the row counts that take each backward kernel (``_backward_row_counts``)."""
-    apply, rms = (rms_norm, True) if op == "rms_norm" else (layer_norm, False)
+    ``packaged``: weights in x's dtype or float32, no residual or a pre-norm one."""
+    apply = rms_norm if op == "rms_norm" else layer_norm
     param_dtypes = (dtype, "float32") if packaged else (None, dtype, "float32")
     for param_dtype in param_dtypes:
         vec = jax.ShapeDtypeStruct((n,), param_dtype) if param_dtype else None
@@ -603,23 +604,8 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
                 out, vjp = jax.vjp(f, x, params, res)
                 return out, vjp((dy, x) if prenorm else dy)
 
-            grads = vec is not None
-            flags = dict(weight=grads, dh=prenorm, weight_grad=grads, bias_grad=grads and not rms)
-            for m in _backward_row_counts(rms, dtype, n, flags):
-                row = jax.ShapeDtypeStruct((m, n), dtype)
-                yield fn, (row, params, row if residual else None, row)
-
-
-def _backward_row_counts(rms, dtype, n, flags) -> tuple[int, ...]:
-    """Row counts at which a backward with ``flags`` launches each of its kernels: two row
-    blocks (one cluster that sums its own partials, where the tiling has no cluster of its
-    own) and more blocks than a summing cluster takes (XLA sums the partials)."""
-    row = jax.ShapeDtypeStruct((1, n), dtype)
-    tiling = _backward_tiling(rms, row, row, **flags)
-    if tiling is None:
-        return (8,)
-    blocks = (2, SUM_CLUSTER_CTAS * SUM_CLUSTER_BLOCKS + 1)
-    return tuple(b * tiling.rows_per_cta for b in blocks)
+            row = jax.ShapeDtypeStruct((8, n), dtype)
+            yield fn, (row, params, row if residual else None, row)
 
 
 def _benchmarks():

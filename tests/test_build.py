@@ -605,6 +605,24 @@ def test_a_build_holds_the_kernels_of_every_row_count(cache, rows):
 
 
 @pytest.mark.cutlass
+def test_a_build_holds_both_norm_backwards_at_any_row_count(cache):
+    """Lowered at one row, a build also gets the norm backward that sums its own weight
+    gradient in one cluster (2-16 row blocks), beside the one whose partials XLA sums:
+    built at their cases' row counts only, some of the fuzz tests' draws had no kernel."""
+    n = 1000
+    args = (jax.ShapeDtypeStruct((1, n), jnp.bfloat16), jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def fwd_bwd(x, w):
+        y, vjp = jax.vjp(quack_jax.rms_norm, x, w)
+        return vjp(y)
+
+    with _cache.kernels_used() as used:
+        build.lower_for_cuda(fwd_bwd, args, any_rows=True)
+    backwards = [dict(variant) for op, _, _, variant in used if op == "rms_norm_bwd"]
+    assert sorted(b.get("summing", False) for b in backwards) == [False, True]
+
+
+@pytest.mark.cutlass
 def test_every_cross_entropy_variant_compiles(cache):
     """Forward kernels (with and without the gradient) and backward kernels, with and
     without label smoothing and softcap, each dtype, from a one-warp row to odd-length

@@ -27,10 +27,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 GPU_SIZES = {"softmax": (1, 7, 100, 1024, 5000), "norm": (7, 1000, 4096), "ce": (7, 1000)}
 CE_DTYPES = {"cpu": DTYPES, "gpu": ("float32", "bfloat16")}
 MAX_LEAD = 5  # the most rows of each of the (one or two) leading axes drawn
-# the norm backward's kernel depends on the number of row blocks (one, 2-16 that one
-# cluster sums, or more: norm._summing_cluster); the draws make 0 to MAX_LEAD**2 rows,
-# and one row, three and the most reach each kernel that any tiling takes at those counts
-NORM_ROWS = (1, 3, MAX_LEAD**2)
 NORM_OPTIONS = [
     dict(weight=w, bias=b, residual=r, prenorm=p, out=o)
     for w, b, r, p, o in itertools.product(
@@ -320,14 +316,14 @@ def prebuild_cases():
     for dtype, n in itertools.product(DTYPES, GPU_SIZES["softmax"]):
         for log in (False, True):
             yield softmax_program(log), (spec((3, n), dtype),) * 2
-    for dtype, n, rms, options, m in itertools.product(
-        DTYPES, GPU_SIZES["norm"], (True, False), NORM_OPTIONS, NORM_ROWS
+    for dtype, n, rms, options in itertools.product(
+        DTYPES, GPU_SIZES["norm"], (True, False), NORM_OPTIONS
     ):
         if rms and options["bias"] is not None:
             continue
-        row, vec = spec((m, n), dtype), spec((n,), dtype)
+        row, vec = spec((3, n), dtype), spec((n,), dtype)
         w = {None: None, "x": vec, "float32": spec((n,), "float32")}
-        y = spec((m, n), "float32") if options["out"] else row
+        y = spec((3, n), "float32") if options["out"] else row
         args = (row, w[options["weight"]], None if rms else w[options["bias"]])
         args += (row if options["residual"] else None, y, row if options["prenorm"] else None)
         yield norm_program(rms, options), args
