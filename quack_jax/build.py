@@ -8,13 +8,13 @@ softmax kernel for two row lengths:
 Every op family declares, in its SPEC (see quack_jax/_registry.py), functions whose
 lowering for CUDA launches its kernels; the build lowers them, which compiles exactly the
 kernels a GPU run of them would launch, with any number of rows (each function is
-lowered twice, as for few rows and as for many, see quack_jax/_primitive.py's
-``counted``: cross-entropy's long rows take streamed kernels from 2048 rows on, and the
-norm backward over few row blocks is the variant that sums its own partials). Norm and
-cross-entropy kernels come in variants (norms: weight and bias dtypes, residual, output
-dtype, the backward's summing; cross-entropy: label smoothing, softcap); the build covers
-the usual ones (no weight, weights in x's dtype or float32; with and without a residual,
-pre-norm or not; output in x's dtype; every cross-entropy variant).
+lowered twice, as for few rows and as for many, see counted in quack_jax/_primitive.py:
+cross-entropy's long rows take streamed kernels from 2048 rows on, and the norm backward
+over few row blocks is the variant that sums its own partials). Norm and cross-entropy
+kernels come in variants (norms: weight and bias dtypes, residual, output dtype, the
+backward's summing; cross-entropy: label smoothing, softcap); the build covers the usual
+ones (no weight, weights in x's dtype or float32; with and without a residual, pre-norm
+or not; output in x's dtype; every cross-entropy variant).
 
 --packaged builds the kernels that ship inside the wheel (quack_jax/cubins) for the row
 lengths in PACKAGED_SIZES (popular open models' hidden sizes and vocabularies, attention
