@@ -177,13 +177,22 @@ _active_clusters = functools.cache(_ffi.max_active_clusters)
 # benchmarks/NOTES.md, issue 17): summed over the shapes of each group, XLA's forwards
 # took 3-17% less time than the kernels for softmax up to 1 MiB of input, for the norms
 # up to 8 MiB, and for RMSNorm over rows of at most 256 (QK-norm) at any row count.
-# Every backward, and cross-entropy's kernels, were as fast as XLA or faster. Later runs
-# (2026-12-01) moved the norms' bound to 32 MiB: at 4096 x 2048 XLA's forward took
-# 17-19% less time, at 4096 x 4096 0-7% less, at 4096 x 8192 (64 MiB) 5-20% more; and
-# softmax's to 8 MiB: at 4096 x 1024 XLA's forward took 15-24% less time, at 512 x 4096
-# and 512 x 8192 -5% to 10% less, at 4096 x 4096 (32 MiB) 13-17% more. Under
-# autodiff (``differentiated``) the norm forward keeps its kernel: with the backward
-# kernel after it, XLA's forward made fwd+bwd 8-19% slower than the kernels' there.
+# In those runs every backward alone, and cross-entropy's kernels, were as fast as XLA
+# or faster. Later runs (2026-12-01) moved the norms' bound to 32 MiB: at 4096 x 2048
+# XLA's forward took 17-19% less time, at 4096 x 4096 0-7% less, at 4096 x 8192 (64 MiB)
+# 5-20% more; and softmax's to 8 MiB: at 4096 x 1024 XLA's forward took 15-24% less
+# time, at 512 x 4096 and 512 x 8192 -5% to 10% less, at 4096 x 4096 (32 MiB) 13-17%
+# more. Under autodiff (``differentiated``) the norm forward keeps its kernel where the
+# backward's does: with the backward kernel after it, XLA's forward made fwd+bwd 8-19%
+# slower.
+# Both go to XLA together (``norm_pair_on_xla``) where that was faster in chains of
+# fwd+bwd ops (2026-12-03, three runs of one or two processes; there XLA fuses the pair
+# as it does its own autodiff of the plain formulation, with the backward's reference as
+# in norm.py). XLA's autodiff's time over each path's, summed over the rule's measured
+# shapes: RMSNorm at 8-128 rows of 4096 and 8-64 of 8192, the kernels 0.94-0.96x,
+# XLA's path 0.97-1.04x (over rows of 1024 and 2048 the kernels were 1.00-1.19x at 1-2048
+# rows, at 256-512 x 4096 1.09-1.19x); LayerNorm from 64 rows up to 2 MiB, the kernels
+# 0.90-0.92x, XLA's path 0.97-0.98x (from 4 MiB the kernels were level or ahead).
 # Softmax's derivative (2026-12-02, fwd+bwd chains): where its forward is on XLA, XLA's
 # derivative made fwd+bwd 4-11% faster than the derivative kernel at each row length
 # from 256 to 2048 (summed over 1-512 rows, and at 4096 rows up to 8 MiB), where XLA
@@ -191,13 +200,29 @@ _active_clusters = functools.cache(_ffi.max_active_clusters)
 # split one of them at some row counts and was no faster.
 SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 8 << 20, 32 << 20, max(QK_NORM_SIZES)
 SOFTMAX_DERIVATIVE_N = 2048
+# the norm fwd+bwd on XLA: by RMSNorm (rms) or LayerNorm, the fewest rows, the shortest
+# rows, the most bytes of input
+NORM_PAIR = {True: (8, 4096, 1 << 20), False: (64, 1, 2 << 20)}
+
+
+def norm_pair_on_xla(m: int, n: int, itemsize: int, rms: bool) -> bool:
+    """Whether a norm's forward under autodiff and its backward both lower to XLA."""
+    fewest, shortest, most = NORM_PAIR[rms]
+    return m >= fewest and n >= shortest and m * n * itemsize <= most
+
+
 REFERENCE_FASTER: dict[str, Callable[..., bool]] = {
     "quack_jax_softmax": lambda m, n, itemsize, **_: m * n * itemsize <= SOFTMAX_BYTES,
     "quack_jax_softmax_derivative": lambda m, n, itemsize, kind, **_: (
         kind == "softmax" and n <= SOFTMAX_DERIVATIVE_N and m * n * itemsize <= SOFTMAX_BYTES
     ),
     "quack_jax_norm": lambda m, n, itemsize, rms, differentiated, **_: (
-        not differentiated and (m * n * itemsize <= NORM_BYTES or (rms and n <= QK_NORM))
+        norm_pair_on_xla(m, n, itemsize, rms)
+        if differentiated
+        else m * n * itemsize <= NORM_BYTES or (rms and n <= QK_NORM)
+    ),
+    "quack_jax_norm_backward": lambda m, n, itemsize, rms, **_: norm_pair_on_xla(
+        m, n, itemsize, rms
     ),
 }
 PATHS = ("auto", "kernel", "reference")

@@ -7,7 +7,8 @@ of a persistent grid, summed by XLA, or over few row blocks of one cluster, whos
 sums them itself (``_summing_cluster``); no normalised copy of x is ever stored.
 ``_tangent``, linear in the tangents of x, the residual, weight and bias, is the
 forward-mode derivative (XLA everywhere); its transpose binds ``_backward``, so
-``jax.jvp`` runs the forward kernel and ``jax.grad`` the forward and backward kernels.
+``jax.jvp`` runs the forward kernel and ``jax.grad`` the forward and backward kernels
+(at the small shapes of ``_primitive.norm_pair_on_xla``, both XLA's).
 With the normalised axis split across devices (under a sharded ``jit``), each device
 runs the XLA reference on its slice of the rows, with the rows' means ``psum``'d.
 """
@@ -193,10 +194,14 @@ def _backward_abstract(dy, h, *rest, weight_grad, bias_grad, **_):
     return [h.update(weak_type=False)] + [grad] * (weight_grad + bias_grad)
 
 
+def _centred(h, mean, ct):
+    """h in the compute dtype ``ct`` less its row's mean (None for RMSNorm: h itself)."""
+    h = h.astype(ct)
+    return h if mean is None else h - mean[..., None]
+
+
 def _normalised(h, rstd, mean):
-    ct = rstd.dtype
-    centred = h.astype(ct) if mean is None else h.astype(ct) - mean[..., None]
-    return centred * rstd[..., None]
+    return _centred(h, mean, rstd.dtype) * rstd[..., None]
 
 
 def _parameter_grads(dy, xhat, axes, weight_grad, bias_grad):
@@ -208,13 +213,18 @@ def _parameter_grads(dy, xhat, axes, weight_grad, bias_grad):
 def _reference_backward(dy, h, *rest, rms, offset, weight, dh, weight_grad, bias_grad, row=WHOLE):
     w, dh_, rstd, mean = _split(rest, weight, dh) + ([None] if rms else [])
     ct = rstd.dtype
-    xhat = _normalised(h, rstd, mean)
+    centred, r = _centred(h, mean, ct), rstd[..., None]
+    xhat = centred * r
     dy = dy.astype(ct)
     g = dy if w is None else dy * (w.astype(ct) + jnp.asarray(offset, ct))
-    dx = g - xhat * row.mean(g * xhat)
+    # mean(g * xhat) with rstd outside the row sum, so that the sum does not wait for it:
+    # on XLA's path XLA then computes it in one pass with the forward's last row sum, as
+    # in its own autodiff of the plain formulation (benchmarks/NOTES.md, issue 17,
+    # sixteenth session); rstd times the sum first, so that no rstd**3 underflows
+    dx = g - xhat * (r * row.mean(g * centred))
     if not rms:
         dx = dx - row.mean(g)
-    dx = dx * rstd[..., None]
+    dx = dx * r
     if dh_ is not None:
         dx = dx + dh_.astype(ct)
     grads = _parameter_grads(dy, xhat, range(h.ndim - 1), weight_grad, bias_grad)

@@ -1,10 +1,10 @@
 """The lowering's choice of path by shape (``_primitive.REFERENCE_FASTER``): small softmax
 and norm forwards, and RMSNorm's over QK-norm rows, lower to XLA's formulation, except
-the norm forward under autodiff; so does softmax's derivative over small short rows, and
-every other kernel stays; ``lowering_path``
-overrides the choice, and bad paths raise ValueError. On the GPU, the training path at a
-small shape gives the float64 result. (Every other test lowers with
-``lowering_path("kernel")``: see conftest.py.)"""
+the norm forward under autodiff, which goes with its backward (both to XLA at the
+shapes of ``norm_pair_on_xla``); so does softmax's derivative over small short rows, and
+every other kernel stays; ``lowering_path`` overrides the choice, and bad paths raise
+ValueError. On the GPU, the training path at a small shape gives the float64 result.
+(Every other test lowers with ``lowering_path("kernel")``: see conftest.py.)"""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ import quack_jax
 from quack_jax import _ffi
 from quack_jax._primitive import (
     NORM_BYTES,
+    NORM_PAIR,
     QK_NORM,
     SOFTMAX_BYTES,
     SOFTMAX_DERIVATIVE_N,
@@ -73,6 +74,40 @@ def test_small_norm_forward_under_autodiff_keeps_its_kernel(name):
         assert launches(grad_of(rms), 2**21, n=QK_NORM) == 2
 
 
+NORMS = {
+    "rms_norm": lambda x: quack_jax.rms_norm(x, jnp.ones(x.shape[-1])),
+    "layer_norm": lambda x: quack_jax.layer_norm(x, jnp.ones(x.shape[-1]), jnp.ones(x.shape[-1])),
+}
+
+
+def pair_edges(name):
+    """The shortest rows the norm's fwd+bwd goes to XLA over, and the fewest and most rows
+    of those (bfloat16)."""
+    fewest, shortest, most = NORM_PAIR[name == "rms_norm"]
+    n = max(shortest, N)
+    return n, fewest, most // (n * 2)
+
+
+@pytest.mark.parametrize("name", NORMS)
+def test_small_norm_fwd_bwd_lowers_to_xla(name):
+    """Between the edges of ``norm_pair_on_xla``, the norm's forward under autodiff and its
+    backward both lower to XLA's formulation."""
+    n, fewest, most = pair_edges(name)
+    assert launches(grad_of(NORMS[name]), fewest, n=n) == 0
+    assert launches(grad_of(NORMS[name]), most, n=n) == 0
+
+
+@pytest.mark.cutlass
+@pytest.mark.parametrize("name", NORMS)
+def test_norm_fwd_bwd_keeps_its_kernels_outside_the_pair_rule(name):
+    """Fewer rows, more bytes (and for RMSNorm shorter rows): both kernels launch."""
+    n, fewest, most = pair_edges(name)
+    assert launches(grad_of(NORMS[name]), fewest - 1, n=n) == 2
+    assert launches(grad_of(NORMS[name]), most + 1, n=n) == 2
+    if name == "rms_norm":
+        assert launches(grad_of(NORMS[name]), fewest, n=n // 2) == 2
+
+
 def test_small_softmax_derivative_lowers_to_xla():
     """Softmax's fwd+bwd over rows of at most SOFTMAX_DERIVATIVE_N, up to SOFTMAX_BYTES of
     bfloat16 input: no kernel."""
@@ -109,23 +144,25 @@ def test_lowering_path_rejects_unknown_paths():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("name", "n", "kernels"), [("softmax", N, 0), ("softmax", 4 * N, 1), ("rms_norm", N, 2)]
+    ("name", "n", "kernels"),
+    [("softmax", N, 0), ("softmax", 4 * N, 1), ("rms_norm", N, 2), ("rms_norm", 4 * N, 0)],
 )
 def test_the_training_path_at_a_small_shape(name, n, kernels):
     """softmax: XLA's forward, then XLA's derivative (rows of 1024) or the backward
-    kernel (4096); rms_norm: both kernels."""
+    kernel (4096); rms_norm: both kernels (rows of 1024) or both on XLA (4096)."""
     x = np.random.default_rng(7).standard_normal((8, n), np.float32)
     dy = np.random.default_rng(8).standard_normal((8, n), np.float32)
-    fn, _ = FORWARDS[name]
+    w = np.linspace(0.5, 1.5, n, dtype=np.float32)
 
     def loss(x):
-        return jnp.sum(fn(x) * dy)
+        y = quack_jax.softmax(x) if name == "softmax" else quack_jax.rms_norm(x, w)
+        return jnp.sum(y * dy)
 
     with lowering_path("auto"):
         lowered = jax.jit(jax.value_and_grad(loss)).lower(x)
         assert lowered.as_text().count(f"custom_call @{_ffi.TARGET}") == kernels
         value, grad = lowered.compile()(x)
-    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), W.astype(np.float64)
+    x64, dy64, w64 = x.astype(np.float64), dy.astype(np.float64), w.astype(np.float64)
     if name == "softmax":
         p = np.exp(x64 - x64.max(-1, keepdims=True))
         y = p / p.sum(-1, keepdims=True)

@@ -29,7 +29,7 @@ ncu_one() {
 # after a process that may have crashed or timed out: kill what it left, so that the
 # next process finds the GPU's memory free
 settle() {
-    pkill -9 -f profile_kernels.py; pkill -9 -f exp_sum_cluster.py; pkill -9 -f exp_norm_bwd_path.py; pkill -9 -f pytest; pkill -9 -f quack_jax.bench
+    pkill -9 -f profile_kernels.py; pkill -9 -f exp_sum_cluster.py; pkill -9 -f exp_norm_bwd_path.py; pkill -9 -f exp_norm_recompute.py; pkill -9 -f exp_norm_vjp.py; pkill -9 -f exp_norm_pair.py; pkill -9 -f pytest; pkill -9 -f quack_jax.bench
     sleep 1
     nvidia-smi --query-gpu=memory.used --format=csv,noheader >> "$RES/memory.txt"
 }
