@@ -555,9 +555,11 @@ def rms_norm(
       out_dtype: dtype of the result (default x's).
       implementation: None (the kernels on a CUDA sm_90 device, except the forward up
         to 32 MiB of input and RMSNorm's over rows of at most 256 elements outside
-        autodiff, which lower to XLA's formulation where that measured faster; the XLA
-        fallback elsewhere) or "xla": a plain jnp formulation that JAX differentiates,
-        with no quack_jax primitive in the program (to bisect a numerics difference).
+        autodiff, and the forward with the backward at the small shapes of
+        ``_primitive.norm_pair_on_xla``, which lower to XLA's formulation where that
+        measured faster; the XLA fallback elsewhere) or "xla": a plain jnp formulation
+        that JAX differentiates, with no quack_jax primitive in the program (to bisect a
+        numerics difference).
         None follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace
         time.
 
