@@ -8,7 +8,8 @@ sums them itself (``_summing_cluster``); no normalised copy of x is ever stored.
 ``_tangent``, linear in the tangents of x, the residual, weight and bias, is the
 forward-mode derivative (XLA everywhere); its transpose binds ``_backward``, so
 ``jax.jvp`` runs the forward kernel and ``jax.grad`` the forward and backward kernels
-(at the small shapes of ``_primitive.norm_pair_on_xla``, both XLA's).
+(at the small shapes of ``_primitive.norm_pair_on_xla``, XLA's forward in both, and
+XLA's backward).
 With the normalised axis split across devices (under a sharded ``jit``), each device
 runs the XLA reference on its slice of the rows, with the rows' means ``psum``'d.
 """
@@ -424,7 +425,8 @@ _tangent = RowwisePrimitive(
 # -- differentiation ----------------------------------------------------------------
 # A custom_jvp whose tangent is the linear ``_tangent`` primitive: ``jax.jvp`` runs the
 # forward kernel and XLA's tangent, ``jax.grad`` the forward kernel and (the tangent's
-# transpose) the backward kernel, with the cotangent of h (prenorm) added in it.
+# transpose) the backward kernel, with the cotangent of h (prenorm) added in it; at the
+# shapes of ``_primitive.norm_pair_on_xla`` the forward and backward lower to XLA.
 
 
 def _outputs(forward, x, residual, weight, bias, cfg, differentiated=False):
@@ -567,7 +569,9 @@ def rms_norm(
       y, or ``(y, h)`` with ``prenorm``. ``jax.grad`` runs one backward kernel for dx
       (and the residual's gradient, the same array) and the weight gradient, reduced
       over all rows without atomics, so it is the same on every run. ``jax.jvp`` runs
-      the forward kernel and the tangent in XLA; any order of derivative works.
+      the forward kernel and the tangent in XLA; any order of derivative works. At the
+      small shapes of ``_primitive.norm_pair_on_xla`` the forward and backward under
+      autodiff are XLA's formulation instead of the kernels.
     """
     options = eps, residual, prenorm, weight_offset, out_dtype, implementation
     return _apply("rms_norm", True, x, weight, None, *options)
