@@ -2,7 +2,7 @@
 
     python -m quack_jax.bench --out DIR
     python benchmarks/quack_torch.py --like DIR
-    python benchmarks/report.py DIR [--notes NOTES.md]
+    python benchmarks/report.py DIR [--notes ANALYSIS.md]
 
 Writes ``DIR/report.md`` (two tables per op: end to end, the copy ceiling then forward
 and forward+backward TB/s of each implementation and quack_jax's ratio to QuACK; and by

@@ -19,6 +19,11 @@
 //
 // The CUDA driver is opened at run time (dlopen of libcuda.so.1), so the library builds
 // without the CUDA toolkit and loads on machines without a GPU.
+//
+// Why one generic target, with the cubin as an attribute:
+// docs/decisions/002-one-ffi-launcher-target.md. The kernels' parameters:
+// docs/decisions/001-kernel-abi.md. The manylinux build:
+// docs/decisions/020-manylinux-launcher.md.
 
 #include <dlfcn.h>
 

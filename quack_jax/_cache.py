@@ -13,7 +13,8 @@ entries go to a folder in the temporary directory instead, with a warning. Looku
 read the cubins packaged with quack_jax (``quack_jax/cubins``, built for the common
 configurations when the wheel is made). On a miss the kernel is compiled with CuTe-DSL,
 imported only then; without CuTe-DSL a miss is an error that names the config and the
-build command.
+build command. Why the key is what it is (any edit under ``kernels/`` or of
+``_tiling.py``, a comment too, changes it): docs/decisions/003-cubin-cache-key.md.
 """
 
 from __future__ import annotations

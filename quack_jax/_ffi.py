@@ -1,4 +1,8 @@
-"""The launch glue: the FFI library, its target, and the custom call that launches a cubin."""
+"""The launch glue: the FFI library, its target, and the custom call that launches a cubin.
+
+Why one generic target with the cubin as an attribute, and kernels that take pointers and
+32-bit scalars: docs/decisions/002-one-ffi-launcher-target.md and 001-kernel-abi.md.
+"""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ An op may also take n split across devices (``split``): each device then holds a
 of every row (and of each ``VECTOR``), and ``split(row)`` gives the per-device function,
 which reduces over the row with ``row``'s methods (a ``Row`` over the mesh axes that
 split n): per-row partial statistics combined with ``pmax``/``psum``, never a gather.
-Where the mesh does not split n evenly, n is gathered first.
+Where the mesh does not split n evenly, n is gathered first. The measurements behind
+this design: docs/decisions/018-sharding-by-operand-roles.md.
 """
 
 from __future__ import annotations

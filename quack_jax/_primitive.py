@@ -101,7 +101,8 @@ def rows(aval) -> int:
 # STREAM_MIN_ROWS rows; the norm backward that sums its own weight-gradient partials over
 # few row blocks) take their count through ``counted``, each naming a count of its own
 # for each regime: a build lowers a function once in each (``build.lower_for_cuda``'s
-# ``any_rows``), so that it holds the kernels that any number of rows takes.
+# ``any_rows``), so that it holds the kernels that any number of rows takes
+# (docs/decisions/007-row-regimes.md).
 ROW_REGIMES = ("many", "few")
 _regime: list[str | None] = [None]
 
@@ -150,9 +151,9 @@ def kernel_call(
 def resident_clusters(kernel, tiling, target: Target) -> int:
     """How many clusters of ``kernel`` (CTAs, if it has no cluster) the GPU holds at once:
     one wave of a persistent grid. The driver's count for the device lowered for; where
-    none is present, an estimate from the SM count. The estimate overcounts large
-    clusters (on the H200, 33 clusters of 8 CTAs where 30 fit, 16 of 16 where 14 do),
-    and the second, short wave made those kernels up to 1.4x slower (benchmarks/NOTES.md)."""
+    none is present, an estimate from the SM count, which overcounts large clusters (a
+    cluster must fit in one GPC), so that a second, short wave runs after the first:
+    docs/decisions/013-persistent-grids-by-driver-occupancy.md."""
     if target.device is not None:
         key = (kernel, tiling.num_threads, tiling.cluster_n, target.device)
         return max(_active_clusters(*key), 1)
@@ -170,34 +171,20 @@ def resident_clusters(kernel, tiling, target: Target) -> int:
 _active_clusters = functools.cache(_ffi.max_active_clusters)
 
 
-# Where XLA's fused formulation (the primitive's reference) is faster than the kernel:
-# small and decode shapes, whose time is the launch and a grid that fills few SMs. By
-# primitive name, a predicate of (rows, row length, itemsize, **the primitive's params).
-# Measured on the H200 in bfloat16 (``python -m quack_jax.bench --latency``, four runs;
-# benchmarks/NOTES.md, issue 17): summed over the shapes of each group, XLA's forwards
-# took 3-17% less time than the kernels for softmax up to 1 MiB of input, for the norms
-# up to 8 MiB, and for RMSNorm over rows of at most 256 (QK-norm) at any row count.
-# In those runs every backward alone, and cross-entropy's kernels, were as fast as XLA
-# or faster. Later runs (2026-12-01) moved the norms' bound to 32 MiB: at 4096 x 2048
-# XLA's forward took 17-19% less time, at 4096 x 4096 0-7% less, at 4096 x 8192 (64 MiB)
-# 5-20% more; and softmax's to 8 MiB: at 4096 x 1024 XLA's forward took 15-24% less
-# time, at 512 x 4096 and 512 x 8192 -5% to 10% less, at 4096 x 4096 (32 MiB) 13-17%
-# more. Under autodiff (``differentiated``) the norm forward keeps its kernel where the
-# backward's does: with the backward kernel after it, XLA's forward made fwd+bwd 8-19%
-# slower.
-# Both go to XLA together (``norm_pair_on_xla``) where that was faster in chains of
-# fwd+bwd ops (2026-12-03, three runs of one or two processes; there XLA fuses the pair
-# as it does its own autodiff of the plain formulation, with the backward's reference as
-# in norm.py). XLA's autodiff's time over each path's, summed over the rule's measured
-# shapes: RMSNorm at 8-128 rows of 4096 and 8-64 of 8192, the kernels 0.94-0.96x,
-# XLA's path 0.97-1.04x (over rows of 1024 and 2048 the kernels were 1.00-1.19x at 1-2048
-# rows, at 256-512 x 4096 1.09-1.19x); LayerNorm from 64 rows up to 2 MiB, the kernels
-# 0.90-0.92x, XLA's path 0.97-0.98x (from 4 MiB the kernels were level or ahead).
-# Softmax's derivative (2026-12-02, fwd+bwd chains): where its forward is on XLA, XLA's
-# derivative made fwd+bwd 4-11% faster than the derivative kernel at each row length
-# from 256 to 2048 (summed over 1-512 rows, and at 4096 rows up to 8 MiB), where XLA
-# compiled the pair into two fusions at every shape; over rows of 4096 and 8192 it
-# split one of them at some row counts and was no faster.
+# Where XLA's fused formulation (the primitive's reference) measured faster than the
+# kernel: small and decode shapes, whose time is mostly the launch (a custom call costs
+# about a microsecond more than an XLA fusion). By primitive name, a predicate of (rows,
+# row length, itemsize, **the primitive's params):
+# - the softmax and log-softmax forward up to SOFTMAX_BYTES of input; the norm forward
+#   outside autodiff up to NORM_BYTES, and RMSNorm's over rows of at most QK_NORM
+#   elements (QK-norm) at any row count: docs/decisions/004-small-shape-xla-rules.md.
+#   Under autodiff (``differentiated``) the norm forward keeps its kernel: XLA's forward
+#   before the backward kernel made fwd+bwd slower than the two kernels.
+# - softmax's derivative over rows of at most SOFTMAX_DERIVATIVE_N elements, where its
+#   forward is on XLA too: docs/decisions/005-softmax-derivative-on-xla.md.
+# - a norm's forward under autodiff and its backward, together (``norm_pair_on_xla``),
+#   where XLA fuses the pair as it fuses its own autodiff:
+#   docs/decisions/006-norm-pair-on-xla.md.
 SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 8 << 20, 32 << 20, max(QK_NORM_SIZES)
 SOFTMAX_DERIVATIVE_N = 2048
 # the norm fwd+bwd on XLA: by RMSNorm (rms) or LayerNorm, the fewest rows, the shortest
@@ -206,7 +193,8 @@ NORM_PAIR = {True: (8, 4096, 1 << 20), False: (64, 1, 2 << 20)}
 
 
 def norm_pair_on_xla(m: int, n: int, itemsize: int, rms: bool) -> bool:
-    """Whether a norm's forward under autodiff and its backward both lower to XLA."""
+    """Whether a norm's forward under autodiff and its backward both lower to XLA
+    (docs/decisions/006-norm-pair-on-xla.md)."""
     fewest, shortest, most = NORM_PAIR[rms]
     return m >= fewest and n >= shortest and m * n * itemsize <= most
 

@@ -161,8 +161,8 @@ def make_tiling(
 
 
 # Launch shapes (threads per row, threads per CTA, cluster size) by row length: the first
-# row whose limit holds n applies. Measured on the H200 (benchmarks/NOTES.md, 2026-11-29):
-# each entry is the fastest candidate at the benchmark size that ends its range.
+# row whose limit holds n applies. Each entry is the tuner's fastest candidate at the
+# benchmark size that ends its range: docs/decisions/008-tiling-tables.md.
 _K = 1024
 _TABLES = {
     ("softmax_fwd", 2): [
@@ -195,10 +195,9 @@ _TABLES = {
         (256 * _K, (256, 256, 16)),
     ],
 }
-# Norms, with float32 weights (and bias), tuned on the H200 (2026-12-01 in
-# benchmarks/NOTES.md): RMSNorm and LayerNorm each have their own, since LayerNorm's two
-# reductions and bias move its best tilings (its bfloat16 forward at n = 65536: 2.0 TB/s
-# on RMSNorm's entry, 3.5 on its own).
+# Norms, with float32 weights (and bias), tuned on the driver's persistent grids: RMSNorm
+# and LayerNorm each have their own, since LayerNorm's two reductions and bias move its
+# best tilings (docs/decisions/014-norm-tilings-and-direct-forward.md).
 _TABLES["rms_norm_fwd", 2] = [
     (1 * _K, (32, 256, 1)),
     (4 * _K, (64, 128, 2)),
@@ -260,9 +259,9 @@ _TABLES["layer_norm_bwd", 4] = [
 # Persistent kernels launch one wave of clusters, except for rows up to these lengths,
 # where one CTA per row block measured faster: the float32 norm forwards up to n = 8192,
 # which on that grid load their rows straight into registers (``kernels/norm.py``'s
-# ``staged``). Their table entries up to 8192 are tuned for that kernel (2026-12-01, fifth
-# session, in benchmarks/NOTES.md): +5-10% RMSNorm, +2-13% LayerNorm over one staged
-# wave; at 16384 and in bfloat16 one staged wave was as fast or faster.
+# ``staged``), and whose table entries up to 8192 are tuned for that kernel. At 16384 and
+# in bfloat16 one staged wave was as fast or faster:
+# docs/decisions/014-norm-tilings-and-direct-forward.md.
 _FULL_GRID_UP_TO = {("rms_norm_fwd", 4): 8 * _K, ("layer_norm_fwd", 4): 8 * _K}
 # Cross-entropy: the forward reduces a row like softmax's forward (reads only); the
 # backward is elementwise, so long rows are split into column blocks of separate CTAs
@@ -287,11 +286,11 @@ _TABLES["ce_bwd", 4] = _TABLES["ce_bwd", 2]
 # step) of the families that have them, for rows up to each limit (None: not streamed),
 # at STREAM_MIN_ROWS rows or more: enough rows to fill the GPU without a long row's
 # cluster, where a thread that holds one group of its row at a time lets several CTAs
-# share an SM. Fewer rows, and rows whose vectors are under 8 bytes (n = 50257: 2.35
-# TB/s streamed, 3.11 held in registers), take the tables above. A kernel with more live
-# values per element than its family's (the forward with label smoothing) takes
-# proportionally fewer elements per step. Tuned on the H200 at 2048 to 8192 rows
-# (benchmarks/NOTES.md, "Cross-entropy tilings tuned for the vocabularies").
+# share an SM. Fewer rows, and rows whose vectors are under 8 bytes (n = 50257, say, which
+# streams slower than it runs held in registers), take the tables above. A kernel with
+# more live values per element than its family's (the forward with label smoothing)
+# takes proportionally fewer elements per step. Tuned at 2048 to 8192 rows:
+# docs/decisions/009-streamed-cross-entropy-tilings.md.
 STREAM_MIN_ROWS = 2048
 _STREAMED_TABLES = {
     ("ce_fwd", 2): [(16 * _K, None), (128 * _K, (128, 128, 1, 32)), (256 * _K, (256, 256, 1, 32))],
@@ -307,8 +306,9 @@ STREAMED = frozenset(family for family, _ in _STREAMED_TABLES)
 
 
 # The forward that also writes the gradient (a mean or sum loss under autodiff) reads and
-# writes the row; tuned alone on the H200 (run 12 in benchmarks/NOTES.md) at n = 1024,
-# 32000, 50257, 128256, 151936 and 262144, the softmax forward's entries between them.
+# writes the row, so it has a table of its own, tuned alone at n = 1024, 32000, 50257,
+# 128256, 151936 and 262144, the softmax forward's entries between them:
+# docs/decisions/011-cross-entropy-forward-writes-gradient.md.
 _TABLES["ce_grad", 2] = [
     (1 * _K, (32, 256, 1)),
     (4 * _K, (32, 128, 1)),

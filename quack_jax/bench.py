@@ -16,9 +16,10 @@ Timing: one jitted function applies the op to K distinct inputs (no common subex
 no L2 reuse), K chosen so one call moves about 10 GB (10 with --quick; 1 where quack_jax
 runs its XLA fallback); after a warm-up, each sample is three back-to-back calls (so host
 dispatch overlaps the GPU's work), and the result is the median of the samples divided by
-3 K. The quack_jax functions are lowered to their kernels at every shape (also where the
-default lowering picks XLA's path: see --latency). The references are timed the same
-way on the same inputs: XLA's jax.nn.softmax; for the norms a plain jnp formulation
+3 K (why: docs/decisions/021-benchmark-timing.md). The quack_jax functions are lowered to
+their kernels at every shape (also where the default lowering picks XLA's path: see
+--latency). The references are timed the same way on the same inputs: XLA's
+jax.nn.softmax; for the norms a plain jnp formulation
 (float32 math, rsqrt, LayerNorm with the centred variance, cast back to x's dtype) and
 Flax's nn.RMSNorm / nn.LayerNorm (dtype x's, float32 params, the same epsilon, applied
 with the same weight and bias). So is the ceiling: x * 2 over float32 arrays of the same
@@ -56,8 +57,9 @@ tilings column.
 to 4096 rows at the family's row lengths, and QK-norm's rows for rms_norm), in bfloat16
 unless --dtypes says otherwise, and reports microseconds per op, to <op>_latency.md and
 <op>_latency.json. Each quack_jax function is timed three ways: as lowered by default
-(kernels, except at the shapes _primitive.REFERENCE_FASTER sends to XLA), with the
-kernels forced (lowering_path("kernel")) and with quack_jax's XLA reference forced
+(kernels, except at the small shapes that lower to XLA's formulation, see
+docs/decisions/004-small-shape-xla-rules.md), with the kernels forced
+(lowering_path("kernel")) and with quack_jax's XLA reference forced
 (lowering_path("reference")); XLA's function beside them. One jitted function applies
 the op to K = 32 distinct inputs (fewer where they would not fit the memory budget; 2
 where quack_jax runs its XLA fallback) in a chain, as the layers of a decode step: op k's

@@ -8,9 +8,9 @@ softmax kernel for two row lengths:
 Every op family declares, in its SPEC (see quack_jax/_registry.py), functions whose
 lowering for CUDA launches its kernels; the build lowers them, which compiles exactly the
 kernels a GPU run of them would launch, with any number of rows (each function is
-lowered twice, as for few rows and as for many, see counted in quack_jax/_primitive.py:
-cross-entropy's long rows take streamed kernels from 2048 rows on, and the norm backward
-over few row blocks is the variant that sums its own partials). Norm and cross-entropy
+lowered twice, as for few rows and as for many: cross-entropy's long rows take streamed
+kernels from 2048 rows on, and the norm backward over few row blocks is the variant that
+sums its own partials; see docs/decisions/007-row-regimes.md). Norm and cross-entropy
 kernels come in variants (norms: weight and bias dtypes, residual, output dtype, the
 backward's summing; cross-entropy: label smoothing, softcap); the build covers the usual
 ones (no weight, weights in x's dtype or float32; with and without a residual, pre-norm
@@ -64,7 +64,8 @@ COMMON_SEQUENCES = (1024, 2048, 4096, 8192)
 
 _HIDDEN, _VOCAB = (set(sizes) for sizes in zip(*COMMON_MODELS.values(), strict=True))
 # The row lengths of the packaged kernels, by the kind of row an op family normalises
-# (``OpSpec.sizes``); ``packaged_sizes`` adds each family's ``bench --quick`` row lengths.
+# (``OpSpec.sizes``); ``packaged_sizes`` adds each family's ``bench --quick`` row lengths
+# (docs/decisions/019-packaged-kernel-set.md).
 PACKAGED_SIZES = {
     # softmax over attention rows
     "sequence": sorted(COMMON_SEQUENCES),
@@ -94,14 +95,14 @@ def lower_for_cuda(
     fn: Callable, args, arch: str = "sm_90a", path: str = "kernel", any_rows: bool = False
 ) -> str:
     """Lower ``fn`` at ``args`` (shape-dtype structs) for CUDA on any host, which loads or
-    compiles every kernel it launches; returns the StableHLO text. ``path`` (see
-    ``_primitive.lowering_path``): by default the kernels at every shape, also where the
-    default lowering would pick XLA's path, so that builds hold every kernel.
-    ``any_rows``: the kernels that ``args`` would take with any number of rows, lowered
-    once in each of ``_primitive.ROW_REGIMES`` (see ``_primitive.counted``: few rows take the
-    tilings held in registers and the norm backward that sums its own partials, many
-    rows the streamed tilings and the backward whose partials XLA sums); the text is the
-    last regime's."""
+    compiles every kernel it launches; returns the StableHLO text. ``path``: "kernel" (the
+    default) lowers the kernels at every shape, also where the default lowering would
+    pick XLA's path, so that builds hold every kernel; "auto" and "reference" as the
+    default lowering and XLA's path everywhere. ``any_rows``: the kernels that ``args``
+    would take with any number of rows, lowered once as for few rows and once as for many
+    (few rows take the tilings held in registers and the norm backward that sums its own
+    partials, many rows the streamed tilings and the backward whose partials XLA sums:
+    docs/decisions/007-row-regimes.md); the text is the last regime's."""
     import jax
 
     regimes = [row_regime(r) for r in ROW_REGIMES] if any_rows else [contextlib.nullcontext()]
@@ -117,8 +118,8 @@ def lower_for_cuda(
 
 
 def build(ops, dtypes, sizes, arch: str, verbose: bool = True, packaged: bool = False) -> None:
-    """Build the kernels of ``ops`` by lowering their family's functions (see
-    ``_spec.OpSpec``) for CUDA; ``packaged``: only the variants that ship in the wheel."""
+    """Build the kernels of ``ops`` by lowering the functions their family's SPEC
+    declares, for CUDA; ``packaged``: only the variants that ship in the wheel."""
     specs = _registry.specs()
     start = time.perf_counter()
     with _cache.kernels_used() as kernels:
@@ -145,9 +146,9 @@ def packaged_sizes(spec: OpSpec) -> list[int]:
 
 def build_packaged(arch: str, verbose: bool = True) -> None:
     """The kernels that ship in the wheel: every op and dtype, at ``packaged_sizes``, into
-    the cache folder. Its entries of other sources (``_cache.source_hash``: the kernels or
-    the tiling changed since), which no lookup finds, are removed first, so that the wheel
-    does not carry them."""
+    the cache folder. Its entries of other kernel sources (the kernels or the tiling
+    changed since), which no lookup finds, are removed first, so that the wheel does not
+    carry them (docs/decisions/003-cubin-cache-key.md)."""
     for entry in _cache.stale_entries(_cache.cache_dir()):
         entry.unlink()
     for op, spec in _registry.specs().items():

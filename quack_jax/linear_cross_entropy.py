@@ -16,7 +16,8 @@ runs the chunks of its own rows, and dW is summed over the devices that split th
 at the end (one ``psum``). With the weight's vocabulary axis split (a tensor-parallel LM
 head), each chunk combines its per-row statistics across the devices as
 ``cross_entropy`` does, and its dh is summed over them. Off the GPU the same chunks run
-through the XLA reference, so the memory saving holds everywhere.
+through the XLA reference, so the memory saving holds everywhere. Why chunks of this
+size, equal and overlapping, with a float32 dW: docs/decisions/017-linear-cross-entropy-chunks.md.
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ from .cross_entropy import (
 )
 
 # the default chunk: rows whose logits take at most this many bytes, and at most this
-# fraction of the free device memory, a multiple of CHUNK_MULTIPLE rows
+# fraction of the free device memory, a multiple of CHUNK_MULTIPLE rows: large enough
+# that each chunk's GEMMs run near the whole-T GEMMs' speed, small next to XLA's whole
+# logits (docs/decisions/017-linear-cross-entropy-chunks.md)
 CHUNK_BYTES = 1 << 30
 CHUNK_FREE_FRACTION = 1 / 8
 CHUNK_MULTIPLE = 128
