@@ -36,6 +36,9 @@ import warnings
 from . import _registry
 from ._tiling import RowTiling
 
+# The command that installs what compiles kernels, named by every error that needs it.
+INSTALL_COMPILER = "pip install 'nvidia-cutlass-dsl[cu13]~=4.8.1' 'cuda-python>=13'"
+
 
 class MissingKernelError(RuntimeError):
     """A kernel configuration is not in the cache and CuTe-DSL is not installed to build it."""
@@ -257,7 +260,7 @@ def _get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tupl
                 f"{tiling.tag}, {arch}) "
                 f"in {cache_dir()} or among the cubins packaged with quack_jax, and "
                 f"nvidia-cutlass-dsl is not installed to compile it. Install "
-                f"it with `pip install 'quack-jax[cuda]'`, or build the cubin elsewhere with "
+                f"it with `{INSTALL_COMPILER}`, or build the cubin elsewhere with "
                 f"`{build_command(op, dtype, tiling, arch)}` and point QUACK_JAX_CACHE at it."
             )
         from . import kernels

@@ -25,7 +25,7 @@ def load_library() -> ctypes.CDLL:
     if not LIBRARY.exists():
         raise RuntimeError(
             f"quack_jax's FFI library is missing at {LIBRARY}: reinstall quack_jax "
-            "(pip install builds it from ffi/launcher.cc)"
+            "(`pip install .` in its checkout builds it from ffi/launcher.cc)"
         )
     return ctypes.CDLL(str(LIBRARY))
 

@@ -1,5 +1,5 @@
 """Compile quack_jax's kernels into a cubin cache, so that GPU runs load them instead of
-compiling them. Needs CuTe-DSL (pip install "quack-jax[cuda]") but no GPU. Example, every
+compiling them. Needs CuTe-DSL (nvidia-cutlass-dsl) but no GPU. Example, every
 softmax kernel for two row lengths:
 
     python -m quack_jax.build --arch sm_90a --cache .cubins --ops softmax log_softmax \\
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(
             1,
             f"{parser.prog} compiles kernels with CuTe-DSL, which is not installed: "
-            'pip install "quack-jax[cuda]"\n',
+            f"{_cache.INSTALL_COMPILER}\n",
         )
     if args.packaged:
         from ._cache import PACKAGED
