@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import ClassVar
 
 import jax
@@ -525,6 +526,17 @@ def _apply(
             raise TypeError(
                 f"{fn}: out_dtype must be float32, bfloat16, float16 or float64, got {out.name}"
             )
+        # as JAX takes a requested dtype: float64 is float32 unless x64 is enabled
+        canonical = np.dtype(jax.dtypes.canonicalize_dtype(out))
+        if canonical != out:
+            warnings.warn(
+                f"Explicitly requested dtype {out.name} requested in {fn} is not available, "
+                f"and will be truncated to dtype {canonical.name}. To enable more dtypes, set "
+                "the jax_enable_x64 configuration option or the JAX_ENABLE_X64 shell "
+                "environment variable.",
+                stacklevel=3,
+            )
+            out = canonical
     cfg = (rms, eps, offset, out.name, prenorm)
     weight, bias = (varying_like(x, v) for v in (weight, bias))
     if use_xla(fn, implementation):
@@ -554,7 +566,8 @@ def rms_norm(
         to x's dtype, as the unfused add would be), else ``h = x``.
       prenorm: also return h, the residual stream of a pre-norm block.
       weight_offset: added to the weight (1.0 for Gemma's ``(1 + w)`` scaling).
-      out_dtype: dtype of the result (default x's).
+      out_dtype: dtype of the result (default x's); float64 is float32, with JAX's
+        warning, unless x64 is enabled.
       implementation: None (the kernels on a CUDA sm_90 device, except the forward up
         to 32 MiB of input and RMSNorm's over rows of at most 256 elements outside
         autodiff, and the forward with the backward at the small shapes of

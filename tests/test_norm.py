@@ -518,6 +518,30 @@ def test_float64_uses_reference(backend, op):
         check(backend, op, mix, args, out, grads, f"{op} float64")
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("backend", backends())
+def test_float64_out_dtype_without_x64(backend, op):
+    """out_dtype=float64 with x64 off is float32, as JAX takes a requested dtype: with
+    JAX's warning, the values and gradients of out_dtype=float32, on both implementations."""
+    mix = MIXES["all"]
+    message = f"dtype float64 requested in {op} is not available"
+    shape = (MIX_ROWS[backend], MIX_SIZES[backend][0])  # the float32 kernels of test_every_mix
+    with jax.enable_x64(False):
+        args = operands(backend, op, shape, "float32", mix, key_for("float64 out", op))
+        want = run(backend, forward_backward(op, mix), *args, launches=2)
+        f64 = forward_backward(op, dataclasses.replace(mix, out="float64"))
+        with pytest.warns(UserWarning, match=message):
+            got = run(backend, f64, *args, launches=2)
+        assert got[0][0].dtype == jnp.float32
+        assert_same_bits(got, want, f"{op}: out_dtype float64 differs from float32")
+        x, w, b, r = args[:4]
+        options = dict(eps=mix.eps, weight_offset=mix.offset, implementation="xla")
+        with pytest.warns(UserWarning, match=message):
+            y = norm(op, x, w, b, r, out_dtype=jnp.float64, **options)
+        assert y.dtype == jnp.float32
+        assert_same_bits(y, norm(op, x, w, b, r, out_dtype=jnp.float32, **options), op)
+
+
 # -- transforms -------------------------------------------------------------------------------
 
 # vmap over the leading axis of a rank-3 x (and residual and cotangents), the weight and
