@@ -14,6 +14,7 @@ elements.
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from checks import (
     key_for,
     run,
 )
+from jax.test_util import check_grads
 
 import quack_jax
 from quack_jax._registry import specs
@@ -499,6 +501,154 @@ def test_optax_alias_matches_optax(backend):
             got = jax.eval_shape(functools.partial(alias, axis=axis, where=w), x, labels)
             want = jax.eval_shape(functools.partial(theirs, axis=axis, where=w), x, labels)
             assert got.dtype == want.dtype == x.dtype, "optax's dtype"
+
+
+@pytest.mark.parametrize(
+    ("shape", "axis"),
+    [
+        ((3, 5, 4, 10), (2, 3)),
+        ((3, 5, 4, 10), (-2, -1)),
+        ((4, 3, 5, 10), (0, 3)),
+        ((4, 3, 5, 10), (3, 0)),
+        ((3, 40, 5), (-2,)),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("backend", backends())
+def test_optax_alias_axis_tuple_matches_optax(backend, shape, axis):
+    """A tuple ``axis``: the class axes flattened in the order given (trailing ones by a
+    reshape, others by a transpose, then the kernels), labels of the other axes' shape,
+    some counted from the end or out of range; ``where`` of the labels' and of the
+    logits' shape. optax's values, dtype and shape."""
+    optax = pytest.importorskip("optax")
+    alias = quack_jax.softmax_cross_entropy_with_integer_labels
+    theirs = optax.softmax_cross_entropy_with_integer_labels
+    axes = {a % len(shape) for a in axis}
+    lead = tuple(d for i, d in enumerate(shape) if i not in axes)
+    n = int(np.prod([shape[a] for a in axes]))
+    keys = jax.random.split(key_for("optax axes", shape, axis), 4)
+    logits = jax.random.normal(keys[0], shape)
+    labels = jax.random.randint(keys[1], lead, -n, n).ravel().at[:3].set([n, -n - 1, -1])
+    labels = labels.reshape(lead)
+    rows = jax.random.uniform(keys[2], lead) > 0.3
+    mask = jax.random.uniform(keys[3], shape) > 0.3
+
+    def ours(x, y, where):
+        return alias(x, y, axis, where)
+
+    for where, launches in ((None, 1), (rows, 1), (mask, 0)):
+        got = run(backend, ours, logits, labels, where, launches=launches)
+        want = theirs(logits, labels, axis, where)
+        assert got.shape == want.shape == lead and got.dtype == want.dtype
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        if where is None:
+            np.testing.assert_array_equal(np.isnan(got), (labels < -n) | (labels >= n))
+
+
+# optax's own tests of softmax_cross_entropy_with_integer_labels (its
+# SoftmaxCrossEntropyWithIntegerLabelsTest), re-stated: each runs its assertions on the
+# function it is given and returns its result, for the alias and optax's function alike
+OPTAX_YS = np.array([[10.0, 1.0, -2.0], [1.0, 4.0, 0.2]], dtype=np.float32)
+OPTAX_TS = np.array([1, 0], dtype=np.int32)
+OPTAX_MASK = np.array([True, False])
+OPTAX_PER_LOGIT_MASK = np.array([[1, 0, 0], [0, 0, 0]]).astype(bool)
+
+
+def optax_scalar(f, optax):
+    exp = optax.softmax_cross_entropy(OPTAX_YS[0], jax.nn.one_hot(OPTAX_TS[0], 3))
+    got = jax.jit(f)(OPTAX_YS[0], OPTAX_TS[0])
+    np.testing.assert_allclose(got, exp, rtol=1e-6)
+    return got
+
+
+def optax_batched(f, optax):
+    exp = optax.softmax_cross_entropy(OPTAX_YS, jax.nn.one_hot(OPTAX_TS, 3))
+    got = jax.jit(f)(OPTAX_YS, OPTAX_TS)
+    np.testing.assert_allclose(got, exp, rtol=1e-6)
+    return got
+
+
+def optax_gradient(f, optax):
+    check_grads(functools.partial(f, labels=OPTAX_TS), (OPTAX_YS,), order=1)
+    gs = jax.grad(lambda x: jnp.sum(f(x, labels=OPTAX_TS, where=OPTAX_MASK)))(OPTAX_YS)
+    assert jnp.all(jnp.isfinite(gs))
+    return gs
+
+
+def optax_per_logit_mask(f, optax):
+    where = OPTAX_PER_LOGIT_MASK
+    out = f(OPTAX_YS, OPTAX_TS, where=where)
+    np.testing.assert_array_equal(jnp.where(jnp.any(where, -1), 0.0, out), 0)
+    return out
+
+
+def optax_axis(f, optax, axis, shape=(4, 5, 6)):
+    rng = np.random.default_rng(axis)
+    preds = rng.normal(size=shape)
+    targets = rng.integers(shape[axis], size=shape[:axis] + shape[axis + 1 :])
+    x = f(preds, targets, axis=axis)
+    np.testing.assert_allclose(x, f(np.moveaxis(preds, axis, -1), targets), atol=1e-4)
+    return x
+
+
+def optax_axes(f, optax, axis, shape=(2, 3, 4, 5)):
+    ndim = len(shape)
+    logits_axis = tuple((x + ndim) % ndim for x in axis)
+    labels_axis = tuple(x for x in range(ndim) if x not in logits_axis)
+    logits_shape = tuple(shape[x] for x in logits_axis)
+    labels_shape = tuple(shape[x] for x in labels_axis)
+    num_classes = int(np.prod(logits_shape))
+    keys = jax.random.split(jax.random.key(42), 2)
+    logits = jax.random.uniform(keys[0], (*labels_shape, num_classes))
+    labels = jax.random.randint(keys[1], labels_shape, 0, num_classes - 1)
+    desired = f(logits, labels)
+    perm_inv = tuple(np.argsort(labels_axis + logits_axis))
+    logits = logits.reshape(labels_shape + logits_shape).transpose(perm_inv)
+    assert logits.shape == shape
+    actual = f(logits, labels, axis)
+    np.testing.assert_allclose(actual, desired)
+    return actual
+
+
+OPTAX_AXES = [(1, 3), (3, 2), (2, 3), (-3, -1), (-1, -2), (-2, -1), (0, 1, 3), (-4, -3, -1)]
+OPTAX_TESTS = [
+    pytest.param(optax_scalar, {}, id="scalar"),
+    pytest.param(optax_batched, {}, id="batched"),
+    pytest.param(optax_gradient, {}, id="gradient"),
+    pytest.param(optax_per_logit_mask, {}, id="per_logit_mask"),
+    *[pytest.param(optax_axis, {"axis": a}, id=f"axis={a}") for a in range(3)],
+    *[pytest.param(optax_axes, {"axis": a}, id=f"axes={a}") for a in OPTAX_AXES],
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs"), OPTAX_TESTS)
+def test_optax_alias_passes_optax_tests(case, kwargs):
+    """optax's tests of softmax_cross_entropy_with_integer_labels pass with the alias in
+    its place, and the alias's results are optax's."""
+    optax = pytest.importorskip("optax")
+    ours = case(quack_jax.softmax_cross_entropy_with_integer_labels, optax, **kwargs)
+    theirs = case(optax.softmax_cross_entropy_with_integer_labels, optax, **kwargs)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+BAD_AXES = [
+    ((1, 1), ValueError, "axis must name each axis once, got (1, 1)"),
+    ((1, 3), ValueError, "axis 3 is out of range for an array of rank 3"),
+    (-4, ValueError, "axis -4 is out of range for an array of rank 3"),
+    ([1, 2], TypeError, "axis must be an int or a tuple of ints, got list"),
+    ((1, "2"), TypeError, "axis must be an int or a tuple of ints, got str"),
+    (1.0, TypeError, "axis must be an int or a tuple of ints, got float"),
+    (None, TypeError, "axis must be an int or a tuple of ints, got NoneType"),
+]
+
+
+@pytest.mark.parametrize(("axis", "error", "message"), BAD_AXES, ids=[repr(b[0]) for b in BAD_AXES])
+def test_optax_alias_bad_axis_names_the_argument(axis, error, message):
+    alias = quack_jax.softmax_cross_entropy_with_integer_labels
+    labels = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(error, match=re.escape(f"{alias.__name__}: {message}")):
+        jax.jit(lambda x: alias(x, labels, axis)).trace(jnp.zeros((2, 3, 4)))
 
 
 def reference_mean(x, labels, opts):
