@@ -251,11 +251,91 @@ def test_nnx_grad_through_model(kind, param_dtype, quack_calls):
         assert_same(a, b, "grad")
 
 
+# -- float64 requested with x64 off --------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64")  # Flax's init
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_float64_dtype_without_x64(kind, framework, quack_calls):
+    """dtype=float64 with x64 off is float32, as in Flax's module: quack_jax computes it,
+    with JAX's warning, and gives Flax's float32 output."""
+    cls, fn = KINDS[kind]
+    with jax.enable_x64(False):
+        x = inputs(f32)
+        if framework == "linen":
+            ours, theirs = (getattr(m, cls)(dtype=jnp.float64) for m in (qnn, nn))
+            variables = perturbed(theirs.init(jax.random.key(0), x))
+            with pytest.warns(UserWarning, match="float64"):
+                want = theirs.apply(variables, x)
+            quack_calls.clear()
+            with pytest.warns(UserWarning, match="float64"):
+                got = ours.apply(variables, x)
+        else:
+            ours, theirs = nnx_pair(cls, {"dtype": jnp.float64})
+            nnx.update(theirs, perturbed(nnx.state(theirs)))
+            nnx.update(ours, nnx.state(theirs))
+            with pytest.warns(UserWarning, match="float64"):
+                want = theirs(x)
+            quack_calls.clear()
+            with pytest.warns(UserWarning, match="float64"):
+                got = ours(x)
+    assert want.dtype == f32
+    assert_same(got, want)
+    assert quack_calls == [fn]
+
+
 # -- packaging ----------------------------------------------------------------------
 
 
 def test_import_quack_jax_does_not_import_flax():
     code = "import sys, quack_jax; assert 'flax' not in sys.modules, sorted(sys.modules)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# In a fresh Python: the modules named ``blocked`` fail to import (those that ``import
+# flax`` has not already imported itself), then ``quack_jax.flax.<module>`` is imported
+# and used.
+WITHOUT_THE_OTHER = """
+import importlib.abc, sys
+import flax
+import jax.numpy as jnp
+blocked = [name for name in {blocked!r} if name not in sys.modules]
+
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if any(name == b or name.startswith(b + ".") for b in blocked):
+            raise ImportError(name + " is blocked")
+
+sys.meta_path.insert(0, Blocker())
+from quack_jax.flax import {module}
+{use}
+assert not [b for b in blocked if b in sys.modules], blocked
+"""
+USES = {
+    "linen": "import jax; linen.RMSNorm().init_with_output(jax.random.key(0), jnp.ones((2, 8)))",
+    "nnx": "from flax import nnx as fnnx; nnx.RMSNorm(8, rngs=fnnx.Rngs(0))(jnp.ones((2, 8)))",
+}
+
+
+@pytest.mark.parametrize(
+    "module, blocked",
+    [
+        ("linen", ["flax.nnx", "quack_jax.flax.nnx"]),
+        ("nnx", ["flax.linen", "quack_jax.flax.linen"]),
+    ],
+)
+def test_linen_and_nnx_import_without_each_other(module, blocked):
+    """quack_jax.flax.linen imports and runs where flax.nnx cannot be imported, and
+    quack_jax.flax.nnx where quack_jax.flax.linen (and flax.linen, unless ``import
+    flax`` imports it) cannot."""
+    code = WITHOUT_THE_OTHER.format(blocked=blocked, module=module, use=USES[module])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_linen_does_not_import_flax_nnx():
+    code = "import sys\nfrom quack_jax.flax import linen\nassert 'flax.nnx' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

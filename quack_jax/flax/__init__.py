@@ -23,17 +23,25 @@ the same parameters, called with the labels) and ``linen.embed_cross_entropy(emb
 labels)`` for a tied ``nn.Embed``.
 
 Flax is an optional dependency: ``import quack_jax`` never imports it, this package does,
-and without it raises a ``ModuleNotFoundError`` that names the extra to install.
+and without it raises a ``ModuleNotFoundError`` that says how to install it. ``linen`` and
+``nnx`` are imported when first used, each without the other: ``from quack_jax.flax import
+linen`` never imports ``flax.nnx``, and ``quack_jax.flax.nnx`` needs nothing of
+``flax.linen``.
 """
 
+import importlib
 import importlib.util
 
 if importlib.util.find_spec("flax") is None:
     raise ModuleNotFoundError(
-        'quack_jax.flax needs Flax, which is not installed: pip install "quack-jax[flax]"',
+        "quack_jax.flax needs Flax, which is not installed: pip install flax",
         name="flax",
     )
 
-from . import linen, nnx
-
 __all__ = ["linen", "nnx"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx.nn.dtypes import canonicalize_dtype
 
-from .linen import _FLOATS, _default_dot_general, _head_loss, _norm, _supported
+from ._common import _FLOATS, _default_dot_general, _head_loss, _norm, _supported
 
 
 def _value(param):
@@ -22,7 +23,8 @@ class RMSNorm(nnx.RMSNorm):
         dtypes = [p.dtype for p in (scale,) if p is not None]
         if mask is not None or not _supported(px, self.dtype, dtypes, self):
             return super().__call__(x, mask)
-        return _norm(px, scale, None, rms=True, epsilon=self.epsilon, dtype=self.dtype)
+        out = canonicalize_dtype(px, scale, dtype=self.dtype)
+        return _norm(px, scale, None, out, rms=True, epsilon=self.epsilon)
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -35,7 +37,8 @@ class LayerNorm(nnx.LayerNorm):
         dtypes = [p.dtype for p in (scale, bias) if p is not None]
         if mask is not None or not _supported(px, self.dtype, dtypes, self):
             return super().__call__(x, mask=mask)
-        return _norm(px, scale, bias, rms=False, epsilon=self.epsilon, dtype=self.dtype)
+        out = canonicalize_dtype(px, scale, bias, dtype=self.dtype)
+        return _norm(px, scale, bias, out, rms=False, epsilon=self.epsilon)
 
 
 def linear_cross_entropy(module: nnx.Linear | nnx.Embed, x, labels, **kwargs):
