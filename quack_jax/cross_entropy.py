@@ -2,14 +2,16 @@
 
 ``_forward`` reads the logits once and gives the per-row loss and the row statistics
 (shift, logsum), whose sum is the logsumexp, and when asked the gradient of a weighted
-sum of the rows' losses, from the rows it holds. ``_backward`` reads the logits once more
-and writes their gradient, from the statistics and three per-row coefficients that fold
-in the cotangents and the options. The statistics stay apart, never summed to lse before
-``exp(x - shift - logsum)``, so that large logits keep their precision (see
-kernels/cross_entropy.py). No (rows, vocab) float32 intermediate exists on either path.
-``jax.grad`` and ``jax.jvp`` reach them through ``custom_jvp``s (see "differentiation"
-below): a "sum" or "mean" loss takes the one-pass gradient, per-row losses (or lse) the
-two-kernel one. The reductions over rows are plain XLA on per-row values.
+sum of the rows' losses, from the rows it holds
+(docs/decisions/011-cross-entropy-forward-writes-gradient.md). ``_backward`` reads the
+logits once more and writes their gradient, from the statistics and three per-row
+coefficients that fold in the cotangents and the options. The statistics stay apart,
+never summed to lse before ``exp(x - shift - logsum)``, so that large logits keep their
+precision (docs/decisions/010-cross-entropy-row-statistics.md). No (rows, vocab) float32
+intermediate exists on either path. ``jax.grad`` and ``jax.jvp`` reach them through
+``custom_jvp``s (see "differentiation" below): a "sum" or "mean" loss takes the one-pass
+gradient, per-row losses (or lse) the two-kernel one. The reductions over rows are plain
+XLA on per-row values.
 """
 
 from __future__ import annotations

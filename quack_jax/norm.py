@@ -9,7 +9,9 @@ sums them itself (``_summing_cluster``); no normalised copy of x is ever stored.
 forward-mode derivative (XLA everywhere); its transpose binds ``_backward``, so
 ``jax.jvp`` runs the forward kernel and ``jax.grad`` the forward and backward kernels
 (at the small shapes of ``_primitive.norm_pair_on_xla``, XLA's forward in both, and
-XLA's backward).
+XLA's backward: docs/decisions/004-small-shape-xla-rules.md and
+006-norm-pair-on-xla.md). Weight gradients come from per-CTA float32 partials, never
+atomics (docs/decisions/015-weight-gradients-from-partials.md).
 With the normalised axis split across devices (under a sharded ``jit``), each device
 runs the XLA reference on its slice of the rows, with the rows' means ``psum``'d.
 """
@@ -221,8 +223,8 @@ def _reference_backward(dy, h, *rest, rms, offset, weight, dh, weight_grad, bias
     g = dy if w is None else dy * (w.astype(ct) + jnp.asarray(offset, ct))
     # mean(g * xhat) with rstd outside the row sum, so that the sum does not wait for it:
     # on XLA's path XLA then computes it in one pass with the forward's last row sum, as
-    # in its own autodiff of the plain formulation (benchmarks/NOTES.md, issue 17,
-    # sixteenth session); rstd times the sum first, so that no rstd**3 underflows
+    # in its own autodiff of the plain formulation; rstd times the sum first, so that no
+    # rstd**3 underflows (docs/decisions/006-norm-pair-on-xla.md)
     dx = g - xhat * (r * row.mean(g * centred))
     if not rms:
         dx = dx - row.mean(g)
@@ -285,13 +287,11 @@ def _backward_kernel(target: Target, avals_in, avals_out, *, rms, offset, **flag
 
 
 # The backward of few row blocks as one cluster that sums its own weight-gradient
-# partials (the summing variant): measured on the H200 against XLA's sum of the
-# partials (benchmarks/NOTES.md, eleventh session), bfloat16 RMSNorm and LayerNorm over
-# 8-512 rows of 1024-8192, by the backward's kernel time with XLA's sum. Clusters of 8
-# CTAs walking up to 2 row blocks each took 1.01-1.67x less time; 4 or 8 blocks a CTA
-# took up to 1.6x more. 8 CTAs is the portable size, which every sm_90 device runs, so
-# the choice does not depend on the device lowered for (16 measured up to 1.2x faster
-# at 32 blocks, but a build without a GPU could not tell which cubins it needs).
+# partials (the summing variant): up to 2 row blocks a CTA on up to 8 CTAs measured
+# faster than the backward kernel plus XLA's sum of the partials, more blocks a CTA
+# slower. 8 CTAs is the portable cluster size that every sm_90 device runs, so the
+# choice does not depend on the device lowered for
+# (docs/decisions/016-norm-backward-summing-cluster.md).
 SUM_CLUSTER_CTAS = 8
 SUM_CLUSTER_BLOCKS = 2
 
@@ -568,11 +568,12 @@ def rms_norm(
       weight_offset: added to the weight (1.0 for Gemma's ``(1 + w)`` scaling).
       out_dtype: dtype of the result (default x's); float64 is float32, with JAX's
         warning, unless x64 is enabled.
-      implementation: None (the kernels on a CUDA sm_90 device, except the forward up
-        to 32 MiB of input and RMSNorm's over rows of at most 256 elements outside
-        autodiff, and the forward with the backward at the small shapes of
-        ``_primitive.norm_pair_on_xla``, which lower to XLA's formulation where that
-        measured faster; the XLA fallback elsewhere) or "xla": a plain jnp formulation
+      implementation: None (the kernels on a CUDA sm_90 device, except at small shapes,
+        which lower to XLA's formulation where that measured faster: the forward up to
+        32 MiB of input, and RMSNorm's over rows of at most 256 elements, outside
+        autodiff; under autodiff the forward with the backward, RMSNorm's from 8 rows
+        over rows of at least 4096 elements up to 1 MiB, LayerNorm's from 64 rows up to
+        2 MiB; the XLA fallback elsewhere) or "xla": a plain jnp formulation
         that JAX differentiates, with no quack_jax primitive in the program (to bisect a
         numerics difference).
         None follows ``$QUACK_JAX_IMPLEMENTATION`` (``xla`` or unset), read at trace
@@ -583,8 +584,8 @@ def rms_norm(
       (and the residual's gradient, the same array) and the weight gradient, reduced
       over all rows without atomics, so it is the same on every run. ``jax.jvp`` runs
       the forward kernel and the tangent in XLA; any order of derivative works. At the
-      small shapes of ``_primitive.norm_pair_on_xla`` the forward and backward under
-      autodiff are XLA's formulation instead of the kernels.
+      smallest shapes (see ``implementation``) the forward and backward under autodiff
+      are XLA's formulation instead of the kernels.
     """
     options = eps, residual, prenorm, weight_offset, out_dtype, implementation
     return _apply("rms_norm", True, x, weight, None, *options)
