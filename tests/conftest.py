@@ -8,7 +8,7 @@ elsewhere.
 
 The suite never writes into the user's kernel cache: unless ``QUACK_JAX_CACHE`` names a
 folder (as on a GPU machine given prebuilt cubins), the kernels it compiles go to a
-temporary folder that is removed when the session ends.
+temporary folder that is removed when the test run ends.
 """
 
 import collections
