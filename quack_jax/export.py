@@ -3,7 +3,7 @@
 An exported function carries its kernels: each launch is a custom call whose attributes
 hold the cubin, so the serialised artifact runs on a GPU where only JAX and quack_jax are
 installed (no CuTe-DSL, no cubin cache). JAX refuses custom calls it does not know in an
-export unless told they are stable; :func:`export` says so for quack_jax's one target.
+export unless told they are stable; :func:`export` says so for quack_jax's one target::
 
     exported = quack_jax.export.export(jax.jit(f), platforms=("cuda", "cpu"))(x)
     blob = exported.serialize()

@@ -548,8 +548,9 @@ def linear_cross_entropy(
       labels: integer array of shape ``h.shape[:-1]``.
       bias: None, or (V,) of the weight's dtype, added to the logits.
       transpose_weight: whether ``weight`` is (V, d).
-      ignore_index, reduction, label_smoothing, z_loss, logit_softcap, temperature,
-        return_lse: as in :func:`quack_jax.cross_entropy`.
+      ignore_index, reduction, label_smoothing, z_loss: as in
+        :func:`quack_jax.cross_entropy`.
+      logit_softcap, temperature, return_lse: as in :func:`quack_jax.cross_entropy`.
       chunk_size: the most rows per chunk, a positive int; by default (None) the rows
         whose logits take at most 1 GiB and 1/8 of the free device memory (see
         ``default_chunk``). The rows go in ceil(T / chunk_size) chunks of equal size;
@@ -608,8 +609,8 @@ def linear_token_logprobs(
     backward kernel over them for the cotangents of both outputs).
 
     Args:
-      h, weight, labels, bias, transpose_weight, chunk_size, precision,
-        preferred_element_type: as in :func:`linear_cross_entropy`.
+      h, weight, labels, bias, transpose_weight: as in :func:`linear_cross_entropy`.
+      chunk_size, precision, preferred_element_type: as in :func:`linear_cross_entropy`.
       temperature, return_entropy, logit_softcap, ignore_index: as in
         :func:`quack_jax.token_logprobs`.
       implementation: None, or "xla": the whole logits made by XLA and
