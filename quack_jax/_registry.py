@@ -4,7 +4,7 @@ its public ops, its kernels' configurations, how to build them and its test grid
 suites read them from here.
 
 Adding an op family: a module (or package) that defines its ops and its ``SPEC``, and its
-module path in ``FAMILIES``. The README's "Adding an op" says more.
+module path in ``FAMILIES``. docs/guides/adding_an_op.md says more.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 as the kernels), "gpu" on two sm_90 GPUs (the kernels). Rows split across devices, the
 reduced axis split (softmax and the norms combine per-row statistics; cross-entropy runs
 its kernels on each device's slice of the vocabulary, with all its options), shard_map,
-an uneven split, explicit sharding and the README's sharded train step: each against the
+an uneven split, explicit sharding and the sharding guide's train step: each against the
 same function on one device, and no rows moved between the devices.
 
 With the rows split, each GPU runs the kernels on its rows: the same bits as on one GPU
@@ -321,16 +321,15 @@ def test_vocab_parallel_cross_entropy_at_large_logits(backend, mesh_name):
     assert_close(loss, ref_rows.sum(), 1.0 + ref_rows.sum(), "float32", "sum")
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="the README's mesh needs 8 devices")
-def test_readme_sharded_train_step():
-    """The README's sharded train step runs as written, its loss equals the loss of the
-    same step on one device, and the logits are never gathered (no all-gather of a
-    vocab-sized block)."""
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Sharded training", 1)[1]
-    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="the guide's mesh needs 8 devices")
+def test_guide_sharded_train_step():
+    """The sharded train step of the sharding guide runs as written, its loss equals the
+    loss of the same step on one device, and the logits are never gathered (no
+    all-gather of a vocab-sized block)."""
+    guide = pathlib.Path(__file__).parent.parent / "docs" / "guides" / "sharding.md"
+    cells = [c.split("```", 1)[0] for c in guide.read_text().split("```{code-cell} ipython3\n")]
     scope = {}
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile("".join(cells[1:3]), str(guide), "exec"), scope)
     step, params, h, labels = (scope[k] for k in ("train_step", "params", "h", "labels"))
     assert np.isfinite(float(scope["loss"]))
     text = step.lower(params, h, labels).compile().as_text()
@@ -342,7 +341,7 @@ def test_readme_sharded_train_step():
     local = jax.device_put((params, h, labels), one_device)
     loss, ref = jax.device_get((step(params, h, labels)[0], step(*local)[0]))
     # bfloat16 logits, summed over d in another order
-    assert_close(loss, ref, np.abs(ref), "bfloat16", "README loss")
+    assert_close(loss, ref, np.abs(ref), "bfloat16", "the guide's loss")
 
 
 # rows and row length that 8 host devices or two GPUs do not divide
