@@ -1,10 +1,9 @@
 """The choice of implementation of every public op: its ``implementation`` argument.
 
-``None`` (the default) runs the kernels where they run (a CUDA sm_90 device; small
-softmax and norm forwards, and small softmax derivatives, lower to XLA's formulation
-there, see
-``_primitive.REFERENCE_FASTER``) and the XLA fallback elsewhere, both through
-quack_jax's primitives. ``"xla"`` runs a pure XLA formulation of the op, differentiated
+``None`` (the default) runs the kernels where they run (a CUDA sm_90 device; at small
+shapes XLA's formulation there, by each family's rules, see
+``_primitive.REFERENCE_FASTER``) and the XLA fallback elsewhere, both through quack_jax's
+primitives. ``"xla"`` runs a pure XLA formulation of the op, differentiated
 by JAX itself, with no quack_jax primitive in the program: a way to bisect a numerics
 difference. Where ``implementation`` is None, the
 environment variable ``QUACK_JAX_IMPLEMENTATION=xla`` chooses XLA for the whole program;

@@ -33,7 +33,6 @@ from ._cache import get_kernel
 from ._configs import KernelConfig
 from ._jax_private import new_primitive
 from ._partition import ROWS, partitioned
-from ._spec import QK_NORM_SIZES
 from ._tiling import STREAM_MIN_ROWS, choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
@@ -172,47 +171,10 @@ _active_clusters = functools.cache(_ffi.max_active_clusters)
 
 
 # Where XLA's fused formulation (the primitive's reference) measured faster than the
-# kernel: small and decode shapes, whose time is mostly the launch (a custom call costs
-# about a microsecond more than an XLA fusion). By primitive name, a predicate of (rows,
-# row length, itemsize, **the primitive's params):
-# - the softmax and log-softmax forward up to SOFTMAX_BYTES of input; the norm forward
-#   outside autodiff up to NORM_BYTES, and RMSNorm's over rows of at most QK_NORM
-#   elements (QK-norm) at any row count: docs/decisions/004-small-shape-xla-rules.md.
-#   Under autodiff (``differentiated``) the norm forward keeps its kernel: XLA's forward
-#   before the backward kernel made fwd+bwd slower than the two kernels.
-# - softmax's derivative over rows of at most SOFTMAX_DERIVATIVE_N elements, where its
-#   forward is on XLA too: docs/decisions/005-softmax-derivative-on-xla.md.
-# - a norm's forward under autodiff and its backward, together (``norm_pair_on_xla``),
-#   where XLA fuses the pair as it fuses its own autodiff:
-#   docs/decisions/006-norm-pair-on-xla.md.
-SOFTMAX_BYTES, NORM_BYTES, QK_NORM = 8 << 20, 32 << 20, max(QK_NORM_SIZES)
-SOFTMAX_DERIVATIVE_N = 2048
-# the norm fwd+bwd on XLA: by RMSNorm (rms) or LayerNorm, the fewest rows, the shortest
-# rows, the most bytes of input
-NORM_PAIR = {True: (8, 4096, 1 << 20), False: (64, 1, 2 << 20)}
-
-
-def norm_pair_on_xla(m: int, n: int, itemsize: int, rms: bool) -> bool:
-    """Whether a norm's forward under autodiff and its backward both lower to XLA
-    (docs/decisions/006-norm-pair-on-xla.md)."""
-    fewest, shortest, most = NORM_PAIR[rms]
-    return m >= fewest and n >= shortest and m * n * itemsize <= most
-
-
-REFERENCE_FASTER: dict[str, Callable[..., bool]] = {
-    "quack_jax_softmax": lambda m, n, itemsize, **_: m * n * itemsize <= SOFTMAX_BYTES,
-    "quack_jax_softmax_derivative": lambda m, n, itemsize, kind, **_: (
-        kind == "softmax" and n <= SOFTMAX_DERIVATIVE_N and m * n * itemsize <= SOFTMAX_BYTES
-    ),
-    "quack_jax_norm": lambda m, n, itemsize, rms, differentiated, **_: (
-        norm_pair_on_xla(m, n, itemsize, rms)
-        if differentiated
-        else m * n * itemsize <= NORM_BYTES or (rms and n <= QK_NORM)
-    ),
-    "quack_jax_norm_backward": lambda m, n, itemsize, rms, **_: norm_pair_on_xla(
-        m, n, itemsize, rms
-    ),
-}
+# kernel, by primitive name: each family declares its primitives' rules
+# (``RowwisePrimitive``'s ``prefers_reference``), predicates of (rows, row length,
+# itemsize, **the primitive's params); docs/decisions/004-small-shape-xla-rules.md.
+REFERENCE_FASTER: dict[str, Callable[..., bool]] = {}
 PATHS = ("auto", "kernel", "reference")
 _path = ["auto"]
 
@@ -291,7 +253,9 @@ class RowwisePrimitive:
     avals_out, **params)`` gives a function of the operands that computes them with
     kernels for ``target`` (see ``kernel_call``), or None to use the reference.
     ``roles(**params)`` gives the operands' and results' roles for partitioning (see
-    ``_partition``; default: all of the first operand's shape). ``split(row, **params)``
+    ``_partition``; default: all of the first operand's shape). ``prefers_reference(m,
+    n, itemsize, **params)`` is the family's rule for where the default lowering takes
+    the reference instead of the kernel (see ``REFERENCE_FASTER``). ``split(row, **params)``
     gives the function of one device's slice of n (see ``_partition``); by default the
     reference, which takes the ``Row`` to reduce over as ``row``."""
 
@@ -308,11 +272,14 @@ class RowwisePrimitive:
         transpose: Callable | None = None,
         roles: Callable | None = None,
         split: Callable | None = None,
+        prefers_reference: Callable[..., bool] | None = None,
     ):
         self.kernel = kernel
         self.reference = reference
         self.num_outputs = num_outputs
         p = self.primitive = new_primitive(name)
+        if prefers_reference:
+            REFERENCE_FASTER[name] = prefers_reference
         p.def_abstract_eval(abstract or self._abstract_eval)
         batching.primitive_batchers[p] = batch or self._batch
         ad.primitive_jvps[p] = jvp or self._reference_jvp

@@ -15,7 +15,7 @@ from ._spec import OpSpec
 
 FAMILIES = [
     "quack_jax.softmax",
-    "quack_jax.norm",
+    "quack_jax.norm.spec",
     "quack_jax.cross_entropy",
     "quack_jax.linear_cross_entropy",
 ]

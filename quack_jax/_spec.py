@@ -17,9 +17,6 @@ from ._tiling import RowTiling, candidate_tilings, choose_tiling
 Lowerings = Callable[[str, str, int, bool], Iterable[tuple[Callable, tuple]]]
 
 DTYPES = ("float32", "bfloat16", "float16")
-# QK-norm: an RMSNorm over each attention head of the queries and keys (Qwen3, Gemma 3,
-# OLMo 2), rows of the head sizes
-QK_NORM_SIZES = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +127,6 @@ class Benchmark:
 
     # --latency's rows: a decode step's tokens (1, 8, 64) up to a small batch's
     LATENCY_ROWS = (1, 8, 64, 512, 4096)
-    # QK-norm's rows (tokens x heads) of each head size
-    QK_NORM_SHAPES = tuple((m, n) for n in QK_NORM_SIZES for m in (32768, 262144, 2097152))
 
     @classmethod
     def latency(cls, sizes) -> list[tuple[int, int]]:

@@ -36,8 +36,9 @@ from collections.abc import Callable
 
 from . import _cache, _registry
 from ._primitive import ROW_REGIMES, lowering_path, row_regime
-from ._spec import QK_NORM_SIZES, OpSpec
+from ._spec import OpSpec
 from ._tiling import ITEMSIZE
+from .norm.rules import QK_NORM_SIZES
 
 ARCHS = ("sm_90a",)
 DTYPES = tuple(ITEMSIZE)
@@ -69,7 +70,7 @@ _HIDDEN, _VOCAB = (set(sizes) for sizes in zip(*COMMON_MODELS.values(), strict=T
 PACKAGED_SIZES = {
     # softmax over attention rows
     "sequence": sorted(COMMON_SEQUENCES),
-    # the norms: the models' hidden sizes; QK-norm's head sizes (``_spec.QK_NORM_SIZES``);
+    # the norms: the models' hidden sizes; QK-norm's head sizes (``norm.rules.QK_NORM_SIZES``);
     # and every multiple of 256 up to 8192, the hidden sizes of models not listed (and of
     # small ones being trained)
     "hidden": sorted(_HIDDEN | set(QK_NORM_SIZES) | set(range(256, 8192 + 1, 256))),

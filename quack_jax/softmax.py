@@ -114,15 +114,32 @@ def _kernel(family: str, config: type[KernelConfig]):
     return kernel
 
 
+# Where XLA's formulation measured faster (small and decode shapes): the forward up to
+# SOFTMAX_BYTES of input (docs/decisions/004-small-shape-xla-rules.md), and softmax's
+# derivative over rows of at most SOFTMAX_DERIVATIVE_N elements, where its forward is on
+# XLA too (docs/decisions/005-softmax-derivative-on-xla.md).
+SOFTMAX_BYTES, SOFTMAX_DERIVATIVE_N = 8 << 20, 2048
+
+
+def _forward_on_xla(m: int, n: int, itemsize: int, **_) -> bool:
+    return m * n * itemsize <= SOFTMAX_BYTES
+
+
+def _derivative_on_xla(m: int, n: int, itemsize: int, *, kind, **_) -> bool:
+    return kind == "softmax" and n <= SOFTMAX_DERIVATIVE_N and m * n * itemsize <= SOFTMAX_BYTES
+
+
 _forward = RowwisePrimitive(
     "quack_jax_softmax",
     kernel=_kernel("softmax_fwd", Softmax),
+    prefers_reference=_forward_on_xla,
     reference=_reference_forward,
     jvp=_forward_jvp,
 )
 _derivative = RowwisePrimitive(
     "quack_jax_softmax_derivative",
     kernel=_kernel("softmax_bwd", SoftmaxDerivative),
+    prefers_reference=_derivative_on_xla,
     reference=_reference_derivative,
     transpose=_derivative_transpose,
 )

@@ -11,6 +11,7 @@ import pytest
 import quack_jax
 from quack_jax import bench
 from quack_jax._spec import Benchmark
+from quack_jax.norm.spec import QK_NORM_SHAPES
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +180,7 @@ def test_latency_shapes_are_declared_per_family():
         shapes = set(ops[name].latency_shapes)
         assert {(m, n) for m in rows for n in sizes} <= shapes
         assert shapes - {(m, n) for m in rows for n in sizes} == (
-            set(Benchmark.QK_NORM_SHAPES) if name == "rms_norm" else set()
+            set(QK_NORM_SHAPES) if name == "rms_norm" else set()
         )
 
 

@@ -13,15 +13,10 @@ import pytest
 
 import quack_jax
 from quack_jax import _ffi
-from quack_jax._primitive import (
-    NORM_BYTES,
-    NORM_PAIR,
-    QK_NORM,
-    SOFTMAX_BYTES,
-    SOFTMAX_DERIVATIVE_N,
-    lowering_path,
-)
+from quack_jax._primitive import lowering_path
 from quack_jax.build import lower_for_cuda
+from quack_jax.norm.rules import NORM_BYTES, NORM_PAIR, QK_NORM
+from quack_jax.softmax import SOFTMAX_BYTES, SOFTMAX_DERIVATIVE_N
 
 N = 1024
 W = np.linspace(0.5, 1.5, N, dtype=np.float32)

@@ -25,8 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import quack_jax
 from quack_jax import _cache, _ffi, _primitive
-from quack_jax import norm as norm_module
 from quack_jax._registry import specs as op_specs
+from quack_jax.norm import backward as norm_backward
 
 OPS = {"rms_norm": quack_jax.rms_norm, "layer_norm": quack_jax.layer_norm}
 EPS = 1e-5
@@ -347,8 +347,8 @@ def test_weight_gradients_summed_in_one_cluster(monkeypatch, ctas, blocks):
     """The backward on a grid of one cluster that sums its weight-gradient partials
     itself, for clusters of 2 to 16 CTAs and up to 4 row blocks a CTA, with LayerNorm's
     bias gradient beside the weight's: values, gradients and the same bits again."""
-    monkeypatch.setattr(norm_module, "SUM_CLUSTER_CTAS", ctas)
-    monkeypatch.setattr(norm_module, "SUM_CLUSTER_BLOCKS", blocks)
+    monkeypatch.setattr(norm_backward, "SUM_CLUSTER_CTAS", ctas)
+    monkeypatch.setattr(norm_backward, "SUM_CLUSTER_BLOCKS", blocks)
     cases = []
     for op, mix, shape, dtype, one_cluster in summing_cases(ctas, blocks):
         args = operands("gpu", op, shape, dtype, MIXES[mix], key_for(op, shape, ctas, blocks))
@@ -1145,7 +1145,7 @@ def test_cuda_lowering_sums_weight_gradients_in_the_kernel_at_few_rows(cuda, op)
     """Over few row blocks the backward is one cluster along x that sums its weight- (and
     bias-) gradient partials itself: no reduction follows it. Over many, XLA sums them."""
     mix = Mix(weight="float32", bias="float32")
-    for m, summed in ((norm_module.SUM_CLUSTER_CTAS, True), (4096, False)):
+    for m, summed in ((norm_backward.SUM_CLUSTER_CTAS, True), (4096, False)):
         args = specs(op, (m, ONE_ROW_A_CTA[op]), "bfloat16", mix)
         text = cuda_text(forward_backward(op, mix), *args)
         backward = cluster_dims(text)[-1]
