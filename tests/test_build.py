@@ -411,7 +411,8 @@ def test_a_call_that_misses_a_kernel_parameter_is_an_error_at_lowering(cache):
 @pytest.mark.skipif(sysconfig.get_platform() != "linux-x86_64", reason="manylinux: x86_64 only")
 def test_wheel_is_manylinux_and_licensed(tmp_path):
     """`pip wheel .` makes one py3-none-manylinux wheel carrying the license and exactly
-    the cubins of quack_jax/cubins (not one that an earlier build left in build/), and its
+    the cubins of quack_jax/cubins (not one that an earlier build left in build/) and every
+    module of quack_jax, and its
     library asks for no glibc symbol newer than the tag's floor and for no libstdc++."""
     source = tmp_path / "source"  # a copy, so no earlier build is reused
     stale = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "*.so", "__pycache__")
@@ -441,6 +442,9 @@ def test_wheel_is_manylinux_and_licensed(tmp_path):
         packaged = {p.name for p in (source / "quack_jax" / "cubins").glob("*.json")}
         assert cubins == {f"quack_jax/cubins/{name}" for name in packaged}
         assert "quack_jax/cubins/new-entry.json" in cubins
+        sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "quack_jax").rglob("*.py")}
+        missing = sources - set(archive.namelist())
+        assert not missing, f"modules missing from the wheel: {sorted(missing)}"
         library = archive.extract("quack_jax/libquack_jax_ffi.so", tmp_path)
     if shutil.which("objdump") is None:
         pytest.skip("objdump is needed to read the library's symbol versions")
