@@ -45,10 +45,11 @@ from __future__ import annotations
 
 import functools
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+
+from quack_jax.cross_entropy import config as configs
 
 from .rowwise import LN_2, LOG2_E, RowKernel, finite_or_zero_inf, per_row
 
@@ -122,6 +123,8 @@ class CrossEntropyForward(_CrossEntropy):
     registers: one read of the logits and one write of their gradient in all. With
     ``entropy`` (not with ``smoothing`` or ``grad``), also the rows' entropy."""
 
+    scalars = configs.CrossEntropyForward.scalar_types()
+
     def __init__(self, dtype, tiling, *, smoothing=False, softcap=False, grad=False, entropy=False):
         assert not (entropy and (smoothing or grad))
         assert not (grad and tiling.group), "the gradient needs the whole row in registers"
@@ -136,9 +139,8 @@ class CrossEntropyForward(_CrossEntropy):
         outputs = (self.pointer(*stat), self.pointer(*stat), self.pointer(*stat))
         outputs += (self.pointer(*stat),) if self.entropy else (None,)
         outputs += (self.pointer(self.dtype),) if self.grad else (None,)
-        scalars = (Int32(0), Int32(0), Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
         labels = self.pointer(Int32, False)
-        return (self.pointer(self.dtype), labels, *row_weights, *outputs, *scalars)
+        return (self.pointer(self.dtype), labels, *row_weights, *outputs, *self.scalar_args())
 
     @cute.jit
     def row_values(self, cta, cap):
@@ -161,54 +163,20 @@ class CrossEntropyForward(_CrossEntropy):
             t = finite.load()
         return x, t
 
-    def row_loss(self, ploss, m, row, stats, total, ignored, outside, target, smoothing, z_loss):
+    def row_loss(
+        self, ploss, m, row, stats, total, ignored, outside, target, label_smoothing, z_loss
+    ):
         """Write the loss of ``row`` from its statistics, the target logit and the sum of its
         logits (both of z)."""
         n = self.tiling.n
         shift, logsum = stats
         lse = shift + logsum
-        loss = logsum + (1.0 - smoothing) * (shift - target)
+        loss = logsum + (1.0 - label_smoothing) * (shift - target)
         loss = loss + cutlass.select_(z_loss == 0.0, Float32(0.0), z_loss * lse * lse)
         if const_expr(self.smoothing):
-            loss = loss + smoothing * (shift - (1.0 / n) * total)
+            loss = loss + label_smoothing * (shift - (1.0 / n) * total)
         loss = cutlass.select_(outside, Float32.nan, loss)
         per_row(ploss, m)[row] = cutlass.select_(ignored, Float32(0.0), loss)
-
-    @cute.jit
-    def __call__(
-        self,
-        px,
-        plabels,
-        pw,
-        ploss,
-        pshift,
-        plogsum,
-        pentropy,
-        pdx,
-        m: Int32,
-        ignore_index: Int32,
-        smoothing,
-        z_loss,
-        cap,
-        inv_temperature,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            px,
-            plabels,
-            pw,
-            ploss,
-            pshift,
-            plogsum,
-            pentropy,
-            pdx,
-            m,
-            ignore_index,
-            smoothing,
-            z_loss,
-            cap,
-            inv_temperature,
-        ).launch(**self.launch_args(m), stream=stream)
 
     @cute.kernel
     def kernel(
@@ -223,9 +191,9 @@ class CrossEntropyForward(_CrossEntropy):
         pdx,
         m: Int32,
         ignore_index: Int32,
-        smoothing,
+        label_smoothing,
         z_loss,
-        cap,
+        logit_softcap,
         inv_temperature,
     ):
         n = self.tiling.n
@@ -237,14 +205,14 @@ class CrossEntropyForward(_CrossEntropy):
 
             def values(step):
                 block = cute.arch.block_idx()[0]
-                return self.row_values(self.view(m, block, [px], [], step=step), cap)
+                return self.row_values(self.view(m, block, [px], [], step=step), logit_softcap)
 
             with_t = self.smoothing or self.entropy
             row_max, row_sum, total = self.streamed_softmax(
                 values, reduction, with_t, self.entropy, finite_or_zero_inf, inv_t
             )
         else:
-            x, t = self.row_values(cta, cap)
+            x, t = self.row_values(cta, logit_softcap)
             row_max, row_sum, _, total = self.row_softmax(
                 x, reduction, t=t, t_times_e=self.entropy, shift=finite_or_zero_inf, scale=inv_t
             )
@@ -275,8 +243,8 @@ class CrossEntropyForward(_CrossEntropy):
             )
             target = Float32(row[0].to(Float32))
             if const_expr(self.softcap):
-                target = cute.math.tanh(target * (1.0 / cap)) * cap
-            row_loss(target * inv_t, smoothing, z_loss)
+                target = cute.math.tanh(target * (1.0 / logit_softcap)) * logit_softcap
+            row_loss(target * inv_t, label_smoothing, z_loss)
             for p, value in zip((pshift, plogsum), stats, strict=True):
                 per_row(p, m)[cta.row] = value
             if const_expr(self.entropy):
@@ -286,21 +254,23 @@ class CrossEntropyForward(_CrossEntropy):
             w = self.load_stat(cta, pw, m)
             w = cutlass.select_(ignored, Float32(0.0), w)
             zterm = cutlass.select_(z_loss == 0.0, Float32(0.0), 2.0 * z_loss * lse)
-            c = w * (smoothing * (1.0 / n))
+            c = w * (label_smoothing * (1.0 / n))
             c = cutlass.select_(outside & (w != 0.0), Float32.nan, c)
             a = cutlass.select_(w == 0.0, Float32(0.0), w * (1.0 + zterm))  # lse may be NaN
             # the target logit comes from registers: other threads may have overwritten
             # the row in memory by now
-            coefficients = (a, w * (1.0 - smoothing), c, None)
+            coefficients = (a, w * (1.0 - label_smoothing), c, None)
             held, target = self.store_gradient(
-                cta, x, label, stats, coefficients, inv_t, cap, cta.destinations[0], True
+                cta, x, label, stats, coefficients, inv_t, logit_softcap, cta.destinations[0], True
             )
             if cta.in_rows and cutlass.select_(outside, cta.first_col, held):
-                row_loss(target * inv_t, smoothing, z_loss)
+                row_loss(target * inv_t, label_smoothing, z_loss)
 
 
 class CrossEntropyBackward(_CrossEntropy):
     """With ``entropy``, also the entropy's term: a fourth coefficient d per row."""
+
+    scalars = configs.CrossEntropyBackward.scalar_types()
 
     def __init__(self, dtype, tiling, *, softcap=False, entropy=False):
         super().__init__(dtype, tiling, softcap=softcap)
@@ -312,13 +282,13 @@ class CrossEntropyBackward(_CrossEntropy):
         d = (self.pointer(Float32, row=False),) if self.entropy else (None,)
         labels = self.pointer(Int32, row=False)
         x, dx = self.pointer(self.dtype), self.pointer(self.dtype)
-        return (x, labels, *stats, *d, dx, Int32(0), Float32(0.0), Float32(0.0))
+        return (x, labels, *stats, *d, dx, *self.scalar_args())
 
     def launch_args(self, m):
         return {**super().launch_args(m), "cluster": None}  # column blocks, no cluster
 
-    @cute.jit
-    def __call__(
+    @cute.kernel
+    def kernel(
         self,
         px,
         plabels,
@@ -330,17 +300,8 @@ class CrossEntropyBackward(_CrossEntropy):
         pd,
         pdx,
         m: Int32,
-        cap,
+        logit_softcap,
         inv_temperature,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            px, plabels, pshift, plogsum, pa, pb, pc, pd, pdx, m, cap, inv_temperature
-        ).launch(**self.launch_args(m), stream=stream)
-
-    @cute.kernel
-    def kernel(
-        self, px, plabels, pshift, plogsum, pa, pb, pc, pd, pdx, m: Int32, cap, inv_temperature
     ):
         block = cute.arch.block_idx()[0]
         cta = self.view(m, block, [px], [pdx], step=0 if const_expr(self.tiling.group) else None)
@@ -352,7 +313,7 @@ class CrossEntropyBackward(_CrossEntropy):
             shift, logsum, a, b, c = (per_row(p, m)[cta.row] for p in (pshift, plogsum, pa, pb, pc))
             if const_expr(self.entropy):
                 d = per_row(pd, m)[cta.row]
-        row = (label, (shift, logsum), (a, b, c, d), inv_temperature, cap)
+        row = (label, (shift, logsum), (a, b, c, d), inv_temperature, logit_softcap)
         if const_expr(self.tiling.group):  # streamed: a group of vectors a thread per step
             for step in cutlass.range(self.tiling.steps, unroll=1):
                 self.gradient_of(self.view(m, block, [px], [pdx], step=step), *row)

@@ -6,12 +6,12 @@ also written out as the pre-norm residual stream, and the backward reads it back
 in float32:
     LayerNorm: mean = sum(h) / n, rstd = rsqrt(sum((h - mean)^2) / n + eps)
     RMSNorm:   mean = 0,          rstd = rsqrt(sum(h^2) / n + eps)
-    y = (h - mean) * rstd * (w + offset) + b
+    y = (h - mean) * rstd * (w + weight_offset) + b
 LayerNorm sums the centred row in a second round trip instead of sum(h^2) / n - mean^2,
 which cancels when the mean is large. rstd (and mean) are written per row, in float32,
 for the backward.
 
-Backward, with xhat = (h - mean) * rstd and g = dy * (w + offset):
+Backward, with xhat = (h - mean) * rstd and g = dy * (w + weight_offset):
     dx = rstd * (g - xhat * sum(g * xhat) / n - sum(g) / n)    (RMSNorm: no sum(g) term)
 plus the cotangent of h when the forward returned it (pre-norm blocks). The backward
 keeps float32 running sums of dy * xhat (weight gradient) and dy (bias gradient) for
@@ -34,18 +34,19 @@ occupancy.
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from quack_jax._tiling import round_up
+from quack_jax.norm import config as configs
 
 from .rowwise import RowKernel
 
 
 class NormForward(RowKernel):
     copies = 2  # reductions alternate between two buffers
+    scalars = configs.NormForward.scalar_types()
 
     def __init__(
         self, dtype, tiling, *, rms, residual=False, weight=None, bias=None, out=None, staged=True
@@ -67,21 +68,11 @@ class NormForward(RowKernel):
             p(self.dtype) if self.residual else None,
             stat(),
             None if self.rms else stat(),
-            Int32(0),
-            Float32(0.0),
-            Float32(0.0) if self.weight else None,
-        )
-
-    @cute.jit
-    def __call__(
-        self, px, pres, pw, pb, py, ph, prstd, pmean, m: Int32, eps, offset, stream: cuda.CUstream
-    ):
-        self.kernel(px, pres, pw, pb, py, ph, prstd, pmean, m, eps, offset).launch(
-            **self.launch_args(m), stream=stream
+            *self.scalar_args(absent=() if self.weight else ("weight_offset",)),
         )
 
     @cute.kernel
-    def kernel(self, px, pres, pw, pb, py, ph, prstd, pmean, m: Int32, eps, offset):
+    def kernel(self, px, pres, pw, pb, py, ph, prstd, pmean, m: Int32, eps, weight_offset):
         n = self.tiling.n
         inputs = [px, pres] if const_expr(self.residual) else [px]
         outputs = [py, ph] if const_expr(self.residual) else [py]
@@ -93,7 +84,7 @@ class NormForward(RowKernel):
         first, stride = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         vectors = [v for v in (pw, pb) if const_expr(v is not None)]
         vecs = self.load_vectors(self.view(m, first, [], [], vectors))
-        scale = vecs[0] + offset if const_expr(self.weight is not None) else None
+        scale = vecs[0] + weight_offset if const_expr(self.weight is not None) else None
         fills = (0.0,) * len(inputs)
         for it in cutlass.range(self.iterations(m)):
             cta = self.view(m, first + it * stride, inputs, outputs)
@@ -126,6 +117,7 @@ class NormForward(RowKernel):
 
 class NormBackward(RowKernel):
     copies = 2  # reductions alternate between two buffers
+    scalars = configs.NormBackward.scalar_types()
 
     def __init__(
         self,
@@ -165,12 +157,11 @@ class NormBackward(RowKernel):
             p(self.dtype),
             *[p(Float32) if g in self.grads else None for g in ("weight", "bias")],
             *[p(Float32) if self.summing and g in self.grads else None for g in ("weight", "bias")],
-            Int32(0),
-            Float32(0.0) if self.weight else None,
+            *self.scalar_args(absent=() if self.weight else ("weight_offset",)),
         )
 
-    @cute.jit
-    def __call__(
+    @cute.kernel
+    def kernel(
         self,
         pdy,
         ph,
@@ -184,16 +175,7 @@ class NormBackward(RowKernel):
         pdw_total,
         pdb_total,
         m: Int32,
-        offset,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(
-            pdy, ph, pw, pdh, prstd, pmean, pdx, pdw, pdb, pdw_total, pdb_total, m, offset
-        ).launch(**self.launch_args(m), stream=stream)
-
-    @cute.kernel
-    def kernel(
-        self, pdy, ph, pw, pdh, prstd, pmean, pdx, pdw, pdb, pdw_total, pdb_total, m: Int32, offset
+        weight_offset,
     ):
         t = self.tiling
         n = t.n
@@ -214,7 +196,7 @@ class NormBackward(RowKernel):
         w = None
         if const_expr(self.weight is not None):
             (w,) = self.load_vectors(start)
-            w = w + offset
+            w = w + weight_offset
         sums = []
         for _ in cutlass.range_constexpr(len(self.grads)):
             acc = cute.make_rmem_tensor_like(start.sources[0], Float32)

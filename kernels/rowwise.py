@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from typing import ClassVar
 
 import cutlass
 import cutlass.cute as cute
@@ -56,10 +57,17 @@ class Reduction:
 
 class RowKernel:
     """Base of the row-wise kernels: ``words`` float32 values per warp are reduced, with up
-    to ``copies`` reductions in flight (each needs its own buffer and cluster barrier)."""
+    to ``copies`` reductions in flight (each needs its own buffer and cluster barrier).
+
+    A kernel class's ``kernel`` takes its pointers, the row count ``m``, then the run-time
+    scalars of its configuration by their names, in order: ``scalars``, its
+    configuration's ``KernelConfig.scalar_types()``. ``compile_args`` gives placeholders
+    of them all (``scalar_args`` those from ``m`` on), and ``__call__`` launches ``kernel``
+    on them."""
 
     words = 1
     copies = 1
+    scalars: ClassVar[dict[str, type]] = {}
 
     def __init__(self, dtype: type[cutlass.Numeric], tiling: RowTiling):
         self.dtype = dtype
@@ -72,6 +80,21 @@ class RowKernel:
         """A placeholder pointer for compiling: to rows of this tiling, or to float32 stats."""
         align = self.tiling.vec * dtype.width // 8 if row else 4
         return nullptr(dtype, cute.AddressSpace.gmem, assumed_align=align)
+
+    def scalar_args(self, absent=()) -> tuple:
+        """Placeholders for compiling of ``m`` and of each scalar, in order: Int32 for an
+        int, Float32 for a float, None for the scalars named in ``absent`` (not passed)."""
+        scalars = [
+            None if name in absent else Int32(0) if word is int else Float32(0.0)
+            for name, word in self.scalars.items()
+        ]
+        return (Int32(0), *scalars)
+
+    @cute.jit
+    def __call__(self, *args):
+        """Launch ``kernel`` on ``compile_args``'s arguments, which the stream follows."""
+        m = args[-2 - len(self.scalars)]  # the row count, before the scalars
+        self.kernel(*args[:-1]).launch(**self.launch_args(m), stream=args[-1])
 
     def launch_args(self, m):
         t = self.tiling

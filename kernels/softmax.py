@@ -17,7 +17,6 @@ to |log p| * 2^-8 relative.
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
@@ -32,11 +31,7 @@ class SoftmaxForward(RowKernel):
         self.log = log
 
     def compile_args(self):
-        return self.pointer(self.dtype), self.pointer(self.dtype), Int32(0)
-
-    @cute.jit
-    def __call__(self, px: cute.Pointer, py: cute.Pointer, m: Int32, stream: cuda.CUstream):
-        self.kernel(px, py, m).launch(**self.launch_args(m), stream=stream)
+        return self.pointer(self.dtype), self.pointer(self.dtype), *self.scalar_args()
 
     @cute.kernel
     def kernel(self, px: cute.Pointer, py: cute.Pointer, m: Int32):
@@ -63,18 +58,7 @@ class SoftmaxDerivative(RowKernel):
         self.kind = kind
 
     def compile_args(self):
-        return (*(self.pointer(self.dtype) for _ in range(3)), Int32(0))
-
-    @cute.jit
-    def __call__(
-        self,
-        pt: cute.Pointer,
-        ps: cute.Pointer,
-        pout: cute.Pointer,
-        m: Int32,
-        stream: cuda.CUstream,
-    ):
-        self.kernel(pt, ps, pout, m).launch(**self.launch_args(m), stream=stream)
+        return (*(self.pointer(self.dtype) for _ in range(3)), *self.scalar_args())
 
     @cute.kernel
     def kernel(self, pt: cute.Pointer, ps: cute.Pointer, pout: cute.Pointer, m: Int32):

@@ -9,19 +9,21 @@ keyword arguments of the kernel class), the kernel's options and its scalars:
 - **Options** are fixed when the kernel is compiled: the variant. The cubin cache names a
   kernel by the options that differ from their defaults, and the kernel class is built
   with all of them as keyword arguments.
-- **Scalars** are the run-time arguments that follow the row count ``m``, in the order the
-  kernel's ``__call__`` takes them. A scalar field's ``kernel`` name is its parameter
-  there. A value of None means the argument is absent: it is not passed, and the kernel
-  compiles without it.
+- **Scalars** are the run-time arguments that follow the row count ``m``: the kernel's
+  parameters of the same names, in the same order, each a 32-bit int or float as its
+  annotation says (``int``; ``float`` or ``float | None``). A value of None means the
+  argument is absent: it is not passed, and the kernel compiles without it.
 
 The op module that launches a kernel fills in a configuration by name. The launcher takes
-the variant and the scalars from it (``_primitive.kernel_call``). ``tests/test_build.py``
-checks each kernel's signature against these fields. Plain Python: no JAX, no CuTe-DSL.
+the variant and the scalars from it (``_primitive.kernel_call``), the kernel class its
+scalars' names and types (``scalar_types``). ``tests/test_build.py`` checks each kernel's
+signature against these fields. Plain Python: no JAX, no CuTe-DSL.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, ClassVar
 
 
@@ -30,10 +32,9 @@ def option(default: Any = None):
     return dataclasses.field(default=default, metadata={"kind": "option"})
 
 
-def scalar(default: Any = None, *, kernel: str | None = None):
-    """A run-time scalar of the kernel; ``kernel`` names its parameter where the names
-    differ."""
-    return dataclasses.field(default=default, metadata={"kind": "scalar", "kernel": kernel})
+def scalar(default: Any = None):
+    """A run-time scalar of the kernel (its parameter of the same name)."""
+    return dataclasses.field(default=default, metadata={"kind": "scalar"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +68,14 @@ class KernelConfig:
         return tuple(v for v in values if v is not None)
 
     @classmethod
-    def scalar_names(cls) -> tuple[str, ...]:
-        """Every scalar's parameter name in the kernel, in order."""
-        return tuple(f.metadata["kernel"] or f.name for f in cls._fields("scalar"))
+    def scalar_types(cls) -> dict[str, type]:
+        """Every scalar's name and type (int or float), in order."""
+        hints = typing.get_type_hints(cls)
+        return {f.name: _word(hints[f.name]) for f in cls._fields("scalar")}
+
+
+def _word(annotation) -> type:
+    """The type of a scalar annotated ``annotation``: ``float | None`` is float."""
+    (word,) = set(typing.get_args(annotation) or (annotation,)) - {type(None)}
+    assert word in (int, float), f"a scalar is an int or a float, not {word}"
+    return word

@@ -21,7 +21,7 @@ class NormForward(KernelConfig):
     out: str | None = option()
     staged: bool = option(True)  # row blocks prefetched through shared memory (one wave)
     eps: float = scalar(0.0)
-    weight_offset: float | None = scalar(kernel="offset")  # with a weight only
+    weight_offset: float | None = scalar()  # with a weight only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,4 +38,4 @@ class NormBackward(KernelConfig):
     weight_grad: bool = option(False)
     bias_grad: bool = option(False)
     summing: bool = option(False)  # launched as one cluster that sums its own partials
-    weight_offset: float | None = scalar(kernel="offset")  # with a weight only
+    weight_offset: float | None = scalar()  # with a weight only

@@ -1,18 +1,17 @@
 """The toy l2_norm's kernel: y = x * rsqrt(sum(x^2) + eps), one row block per CTA."""
 
-import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from quack_jax.kernels.rowwise import RowKernel
 
+from . import L2NormConfig
+
 
 class L2Norm(RowKernel):
-    def compile_args(self):
-        return self.pointer(self.dtype), self.pointer(self.dtype), Int32(0), Float32(0.0)
+    scalars = L2NormConfig.scalar_types()
 
-    @cute.jit
-    def __call__(self, px, py, m: Int32, eps: Float32, stream: cuda.CUstream):
-        self.kernel(px, py, m, eps).launch(**self.launch_args(m), stream=stream)
+    def compile_args(self):
+        return self.pointer(self.dtype), self.pointer(self.dtype), *self.scalar_args()
 
     @cute.kernel
     def kernel(self, px, py, m: Int32, eps: Float32):
