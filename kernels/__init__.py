@@ -23,19 +23,18 @@ import cutlass.cute as cute
 from cutlass.base_dsl.dsl import BaseDSL
 from cutlass.cute.runtime import make_fake_stream
 
-from quack_jax import _registry
+from quack_jax._configs import KernelConfig
 from quack_jax._tiling import RowTiling
 
 DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
-def kernel_class(op: str):
-    """The kernel class of kernel op ``op`` and the options that select it, from its
-    configuration (``KernelConfig.kernel_class`` and ``kernels``)."""
-    config = _registry.kernel_configs()[op]
-    module, name = config.kernel_class.split(":")
+def kernel_class(path: str):
+    """The kernel class that ``KernelConfig.kernel_class`` names: "module:Class", a module
+    of this package by its name, any other by its full path."""
+    module, name = path.split(":")
     module = module if "." in module else f"{__name__}.{module}"
-    return getattr(importlib.import_module(module), name), config.kernels[op]
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +44,14 @@ class Compiled:
     smem_bytes: int
 
 
-def compile_kernel(
-    op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple = ()
-) -> Compiled:
-    """Compile one kernel configuration to a cubin for ``arch`` (for example ``sm_90a``).
-    ``variant`` is (option, value) pairs for the kernel class; dtype names among the
-    values become CuTe-DSL types."""
-    cls, options = kernel_class(op)
-    extra = {k: DTYPES.get(v, v) if isinstance(v, str) else v for k, v in variant}
-    kernel = cls(DTYPES[dtype], tiling, **options, **extra)
+def compile_kernel(config: KernelConfig, dtype: str, tiling: RowTiling, arch: str) -> Compiled:
+    """Compile the kernel of ``config`` for rows of ``dtype`` with ``tiling`` to a cubin for
+    ``arch`` (for example ``sm_90a``). Its class is built with the values of the fields
+    that select its kernel op and with its variant, whose dtype names become CuTe-DSL
+    types."""
+    op = config.op
+    extra = {k: DTYPES.get(v, v) if isinstance(v, str) else v for k, v in config.variant()}
+    kernel = kernel_class(config.kernel_class)(DTYPES[dtype], tiling, **config.kernels[op], **extra)
     envar = BaseDSL._get_dsl().envar
     with tempfile.TemporaryDirectory(prefix="quack_jax_dsl_") as dump:
         envar.arch = arch

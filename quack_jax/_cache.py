@@ -33,7 +33,8 @@ import tempfile
 import threading
 import warnings
 
-from . import _registry
+from ._configs import KernelConfig
+from ._lowering import lowering, options
 from ._tiling import RowTiling
 
 # The command that installs what compiles kernels, named by every error that needs it.
@@ -157,32 +158,23 @@ def stale_entries(folder: pathlib.Path) -> list[pathlib.Path]:
 
 
 def build_command(op: str, dtype: str, tiling: RowTiling, arch: str) -> str:
-    """The build command for kernel ``op``: its public ops from the op registry."""
-    public = " ".join(_registry.public_ops(op))
-    return (
-        f"python -m quack_jax.build --arch {arch} --ops {public} --dtypes {dtype} "
-        f"--sizes {tiling.n}"
-    )
+    """The build command for kernel ``op``, which builds the public ops that launch it."""
+    return f"python -m quack_jax.build --arch {arch} --ops {op} --dtypes {dtype} --sizes {tiling.n}"
 
 
 _memory: dict[tuple, CubinKernel] = {}
 _lock = threading.Lock()
-_recorders: list[dict] = []
 
 
 @contextlib.contextmanager
 def kernels_used():
     """Collects the kernels, as (op, dtype, tiling, variant), that ``get_kernel`` returns
-    inside the block, each once (so, lowering on a kernel device or for one: the kernels
-    launched); the list is filled when the block ends."""
-    seen: dict = {}
-    used: list = []
-    _recorders.append(seen)
-    try:
+    inside the block, each once, in the order first returned (so, lowering on a kernel
+    device or for one: the kernels launched): the keys of the dict it yields. Blocks
+    nest; each collects its own."""
+    used: dict = {}
+    with lowering(recorders=(*options().recorders, used)):
         yield used
-    finally:
-        _recorders[:] = [r for r in _recorders if r is not seen]  # blocks may nest
-        used += list(seen)
 
 
 def _read(path: pathlib.Path, op: str) -> CubinKernel | None:
@@ -230,17 +222,17 @@ def _write_atomic(path: pathlib.Path, entry: dict) -> None:
     os.replace(f.name, path)
 
 
-def get_kernel(
-    op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple = ()
-) -> CubinKernel:
-    """The cubin for one configuration: from memory, the cache folder, or a fresh compile."""
-    kernel = _get_kernel(op, dtype, tiling, arch, variant)
-    for seen in _recorders:
-        seen[op, dtype, tiling, variant] = None
+def get_kernel(config: KernelConfig, dtype: str, tiling: RowTiling, arch: str) -> CubinKernel:
+    """The cubin of ``config``'s kernel for rows of ``dtype`` with ``tiling``: from
+    memory, the cache folder, or a fresh compile."""
+    kernel = _get_kernel(config, dtype, tiling, arch)
+    for seen in options().recorders:
+        seen[config.op, dtype, tiling, config.variant()] = None
     return kernel
 
 
-def _get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tuple):
+def _get_kernel(config: KernelConfig, dtype: str, tiling: RowTiling, arch: str):
+    op, variant = config.op, config.variant()
     key = (op, dtype, tiling, arch, variant, os.environ.get("QUACK_JAX_CACHE"))
     with _lock:
         if key in _memory:
@@ -265,7 +257,7 @@ def _get_kernel(op: str, dtype: str, tiling: RowTiling, arch: str, variant: tupl
             )
         from . import kernels
 
-        compiled = kernels.compile_kernel(op, dtype, tiling, arch, variant)
+        compiled = kernels.compile_kernel(config, dtype, tiling, arch)
         kernel = CubinKernel(op, compiled.symbol, compiled.cubin, compiled.smem_bytes)
         _write(f"{stem}-dsl{version}.json", kernel, version)
         _memory[key] = kernel

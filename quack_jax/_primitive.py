@@ -17,7 +17,6 @@ derivative order (``jax.hessian``, forward-over-reverse) available through XLA.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -32,8 +31,9 @@ from . import _ffi
 from ._cache import get_kernel
 from ._configs import KernelConfig
 from ._jax_private import new_primitive
+from ._lowering import options
 from ._partition import ROWS, partitioned
-from ._tiling import STREAM_MIN_ROWS, choose_tiling
+from ._tiling import STREAM_MIN_ROWS, TilingFamily, choose_tiling
 
 # compute capability -> the arch the kernels are compiled for
 KERNEL_ARCHS = {"9.0": "sm_90a"}
@@ -99,31 +99,16 @@ def rows(aval) -> int:
 # Kernel choices that depend on the number of rows (the streamed tilings from
 # STREAM_MIN_ROWS rows; the norm backward that sums its own weight-gradient partials over
 # few row blocks) take their count through ``counted``, each naming a count of its own
-# for each regime: a build lowers a function once in each (``build.lower_for_cuda``'s
-# ``any_rows``), so that it holds the kernels that any number of rows takes
-# (docs/decisions/007-row-regimes.md).
-ROW_REGIMES = ("many", "few")
-_regime: list[str | None] = [None]
-
-
-@contextlib.contextmanager
-def row_regime(regime: str):
-    """While tracing inside the block, every choice that depends on the number of rows
-    takes the count it names for ``regime``, one of ``ROW_REGIMES`` (see ``counted``)."""
-    _regime.append(regime)
-    try:
-        yield
-    finally:
-        _regime.pop()
-
-
+# for each of ``_lowering.ROW_REGIMES``: a build lowers a function once in each
+# (``build.lower_for_cuda``'s ``any_rows``), so that it holds the kernels that any number
+# of rows takes (docs/decisions/007-row-regimes.md).
 def counted(count: int, *, few: int, many: int) -> int:
-    """``count`` (of rows, or of row blocks), or inside ``row_regime`` the count that the
-    caller names for that regime: ``few`` or ``many``."""
-    return {None: count, "few": few, "many": many}[_regime[-1]]
+    """``count`` (of rows, or of row blocks), or under a row regime (``_lowering``'s
+    ``regime``) the count that the caller names for it: ``few`` or ``many``."""
+    return {None: count, "few": few, "many": many}[options().regime]
 
 
-def row_tiling(aval, family: str, vec_itemsize=None, live=None, staged_bytes=None):
+def row_tiling(aval, family: TilingFamily, vec_itemsize=None, live=None, staged_bytes=None):
     """The tiling of ``family`` for rows like ``aval``'s (see ``choose_tiling``), or None
     where the kernels do not apply (dtype, empty or too many rows, rows too long)."""
     n, m = aval.shape[-1], rows(aval)
@@ -141,7 +126,7 @@ def kernel_call(
     ``cluster`` the CTAs that share a row are launched as plain CTAs (kernels that do not
     reduce across them). ``aliases``: results written over operands (see ``_ffi.call``)."""
     m = rows(aval)
-    kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
+    kernel = get_kernel(config, aval.dtype.name, tiling, target.arch)
     dims = tiling.cluster if cluster else (1, 1, 1)
     scalars = (m, *config.scalars())
     return _ffi.call(kernel, tiling.grid(m), tiling.block, dims, scalars, results, aliases)
@@ -175,56 +160,23 @@ _active_clusters = functools.cache(_ffi.max_active_clusters)
 # (``RowwisePrimitive``'s ``prefers_reference``), predicates of (rows, row length,
 # itemsize, **the primitive's params); docs/decisions/004-small-shape-xla-rules.md.
 REFERENCE_FASTER: dict[str, Callable[..., bool]] = {}
-PATHS = ("auto", "kernel", "reference")
-_path = ["auto"]
-
-
-@contextlib.contextmanager
-def lowering_path(path: str):
-    """Inside the block, primitives lower to ``path``: "auto" (kernels, except at the
-    shapes of ``REFERENCE_FASTER``), "kernel" (kernels wherever they apply: the tests
-    and the benchmark's kernel columns) or "reference" (XLA's formulation everywhere).
-    It applies when a function is lowered: one that jit has already compiled keeps the
-    path it was compiled with."""
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    _path.append(path)
-    try:
-        yield
-    finally:
-        _path.pop()
 
 
 def use_kernel(name: str, aval, params: dict) -> bool:
     """Whether the primitive ``name`` with ``params`` launches its kernel for rows like
-    ``aval``'s, on a target that has kernels (see ``lowering_path``)."""
-    if _path[-1] != "auto":
-        return _path[-1] == "kernel"
+    ``aval``'s, on a target that has kernels (see ``_lowering``'s ``path``)."""
+    path = options().path
+    if path != "auto":
+        return path == "kernel"
     faster = REFERENCE_FASTER.get(name)
     return not (faster and faster(rows(aval), aval.shape[-1], aval.dtype.itemsize, **params))
 
 
-_grids: list[bool | None] = [None]  # persistent grids forced to one wave or not (the tuner)
-
-
-@contextlib.contextmanager
-def persistent_grid(one_wave: bool):
-    """Inside the block, persistent kernels are lowered to one wave of clusters
-    (``one_wave``) or to one CTA per row block, whatever their family's rule
-    (``_tiling.one_wave``): the benchmark's tuner times both. The kernels loop over the
-    blocks they are given; the norm forward's also picks its variant by the grid (see
-    ``grid_is_one_wave``)."""
-    _grids.append(one_wave)
-    try:
-        yield
-    finally:
-        _grids.pop()
-
-
 def grid_is_one_wave(one_wave: bool) -> bool:
     """Whether a persistent kernel whose family's rule gives ``one_wave`` is launched on
-    one wave: the rule, unless ``persistent_grid`` forces the grid."""
-    return one_wave if _grids[-1] is None else _grids[-1]
+    one wave: the rule, unless ``_lowering``'s ``one_wave`` forces the grid."""
+    forced = options().one_wave
+    return one_wave if forced is None else forced
 
 
 def persistent_call(
@@ -232,12 +184,12 @@ def persistent_call(
 ):
     """Like ``kernel_call`` for a kernel that loops over row blocks: launched on one wave of
     clusters (``resident_clusters``; at most one per row block), or with ``one_wave``
-    false on one CTA per row block (see ``persistent_grid``), or with ``one_cluster`` > 1
+    false on one CTA per row block (see ``grid_is_one_wave``), or with ``one_cluster`` > 1
     (tilings without a cluster of their own) as one cluster of that many CTAs along x;
     ``results(ctas)`` gives the result structs, which may depend on the grid (per-CTA
     partials)."""
     m = rows(aval)
-    kernel = get_kernel(config.op, aval.dtype.name, tiling, target.arch, config.variant())
+    kernel = get_kernel(config, aval.dtype.name, tiling, target.arch)
     ctas, cluster = -(-m // tiling.rows_per_cta), tiling.cluster
     if one_cluster > 1:
         ctas, cluster = one_cluster, (one_cluster, 1, 1)

@@ -5,6 +5,9 @@ softmax kernel for two row lengths:
     python -m quack_jax.build --arch sm_90a --cache .cubins --ops softmax log_softmax \\
         --dtypes float32 bfloat16 float16 --sizes 4096 32000
 
+--ops also takes kernel ops (softmax_bwd, as a missing cubin's error names them): each
+builds the public ops that launch it.
+
 Every op family declares, in its SPEC (see quack_jax/_registry.py), functions whose
 lowering for CUDA launches its kernels; the build lowers them, which compiles exactly the
 kernels a GPU run of them would launch, with any number of rows (each function is
@@ -35,7 +38,7 @@ import time
 from collections.abc import Callable
 
 from . import _cache, _registry
-from ._primitive import ROW_REGIMES, lowering_path, row_regime
+from ._lowering import ROW_REGIMES, lowering, options
 from ._spec import OpSpec
 from ._tiling import ITEMSIZE
 from .norm.rules import QK_NORM_SIZES
@@ -106,12 +109,12 @@ def lower_for_cuda(
     docs/decisions/007-row-regimes.md); the text is the last regime's."""
     import jax
 
-    regimes = [row_regime(r) for r in ROW_REGIMES] if any_rows else [contextlib.nullcontext()]
-    with _lowering_arch(arch), lowering_path(path):
+    regimes = ROW_REGIMES if any_rows else [options().regime]
+    with _lowering_arch(arch), lowering(path=path):
         for regime in regimes:
             # a fresh function each time: JAX's caches must not return an earlier
             # lowering (one made under another tiling override or regime, say)
-            with regime:
+            with lowering(regime=regime):
                 lowered = (
                     jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
                 )
@@ -170,9 +173,13 @@ def main(argv: list[str] | None = None) -> None:
         help="cache folder; default: $QUACK_JAX_CACHE, else $XDG_CACHE_HOME/quack_jax, "
         "else ~/.cache/quack_jax",
     )
-    choices = list(_registry.specs())
+    public, kernel_ops = list(_registry.specs()), list(_registry.kernel_configs())
     parser.add_argument(
-        "--ops", nargs="+", default=choices, choices=choices, help="public ops; default: all"
+        "--ops",
+        nargs="+",
+        default=public,
+        choices=public + kernel_ops,
+        help="public ops, or kernel ops (the public ops that launch them); default: all",
     )
     parser.add_argument(
         "--dtypes",
@@ -204,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--sizes is required (or --packaged)")
     if args.cache:
         os.environ["QUACK_JAX_CACHE"] = args.cache
-    build(args.ops, args.dtypes, args.sizes, args.arch)
+    ops = [o for op in args.ops for o in (_registry.public_ops(op) if op in kernel_ops else [op])]
+    build(list(dict.fromkeys(ops)), args.dtypes, args.sizes, args.arch)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ every other kernel stays; ``lowering_path`` overrides the choice, and bad paths 
 ValueError. On the GPU, the training path at a small shape gives the float64 result.
 (Every other test lowers with ``lowering_path("kernel")``: see conftest.py.)"""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +15,10 @@ import pytest
 
 import quack_jax
 from quack_jax import _ffi
-from quack_jax._primitive import lowering_path
+from quack_jax._lowering import lowering, lowering_path, options
 from quack_jax.build import lower_for_cuda
 from quack_jax.norm.rules import NORM_BYTES, NORM_PAIR, QK_NORM
-from quack_jax.softmax import SOFTMAX_BYTES, SOFTMAX_DERIVATIVE_N
+from quack_jax.softmax.rules import SOFTMAX_BYTES, SOFTMAX_DERIVATIVE_N
 
 N = 1024
 W = np.linspace(0.5, 1.5, N, dtype=np.float32)
@@ -135,6 +137,19 @@ def test_larger_forwards_and_forced_kernels_launch(name):
 def test_lowering_path_rejects_unknown_paths():
     with pytest.raises(ValueError, match="path must be one of"), lowering_path("cuda"):
         pass
+
+
+def test_lowering_options_nest_and_come_back():
+    """A block sets the options it names; the outer ones come back when it ends, also on
+    an error."""
+    outer = options()
+    with lowering(regime="few"):
+        few = dataclasses.replace(outer, regime="few")
+        with pytest.raises(RuntimeError), lowering(path="reference", one_wave=False):
+            assert options() == dataclasses.replace(few, path="reference", one_wave=False)
+            raise RuntimeError
+        assert options() == few
+    assert options() == outer
 
 
 @pytest.mark.gpu
