@@ -126,6 +126,42 @@ def _local(aval, role: str, lead: tuple, mesh):
     return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
+def custom_partitioned(whole, avals_in, avals_out, layout, local, rule, reduction_factors=()):
+    """``whole`` (a function of the operands) as a ``custom_partitioning`` op that XLA
+    partitions by the Shardy sharding ``rule``. ``layout(mesh, arg_shapes)`` gives the
+    operands' and results' shardings and a plan; ``local(mesh, plan)`` the function each
+    device runs on its shares. ``reduction_factors``: the rule's factors that the
+    results are reduced over (by ``local``'s collectives)."""
+
+    @custom_partitioning
+    def op(*operands):
+        return tuple(whole(*operands))
+
+    def infer(mesh, arg_shapes, result_shape):
+        return tuple(layout(mesh, arg_shapes)[1])
+
+    def partition(mesh, arg_shapes, result_shape):
+        arg_shardings, out_shardings, plan = layout(mesh, arg_shapes)
+        fn = local(mesh, plan)
+
+        def lower(*operands):
+            # traced as XLA compiles, maybe under the caller's mesh, whose explicit axes
+            # would give the values made here (constants) sharding constraints that reach
+            # the backend: each device's function has no mesh
+            with jax.sharding.use_abstract_mesh(NO_MESH):
+                return tuple(fn(*operands))
+
+        return mesh, lower, tuple(out_shardings), tuple(arg_shardings)
+
+    op.def_partition(
+        partition,
+        infer_sharding_from_operands=infer,
+        sharding_rule=rule,
+        reduction_factors=tuple(reduction_factors),
+    )
+    return in_auto_axes(op, avals_in, avals_out)
+
+
 def partitioned(
     make: Callable,
     avals_in,
@@ -144,60 +180,44 @@ def partitioned(
     lead_rank = len(avals_in[0].shape) - 1
     if lead_rank == 0:  # a single row: nothing to split
         return make(avals_in, avals_out)
-    whole = body or make(avals_in, avals_out)
 
-    @custom_partitioning
-    def op(*operands):
-        return tuple(whole(*operands))
-
-    def shardings(mesh, arg_shapes):
+    def layout(mesh, arg_shapes):
         *lead, cols = dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])
         return (
-            tuple(lead),
-            cols,
             [NamedSharding(mesh, _spec(r, lead, cols)) for r in roles_in],
             [NamedSharding(mesh, _spec(r, lead, cols)) for r in roles_out],
+            (tuple(lead), cols),
         )
 
-    def infer(mesh, arg_shapes, result_shape):
-        return tuple(shardings(mesh, arg_shapes)[3])
-
-    def partition(mesh, arg_shapes, result_shape):
-        lead, cols, arg_shardings, out_shardings = shardings(mesh, arg_shapes)
+    def local(mesh, plan):
+        lead, cols = plan
         if cols is not None:
-            local = split(Row(names(cols), count(mesh, cols)))
+            fn = split(Row(names(cols), count(mesh, cols)))
         else:
-            local = make(
+            fn = make(
                 [_local(a, r, lead, mesh) for a, r in zip(avals_in, roles_in, strict=True)],
                 [_local(a, r, lead, mesh) for a, r in zip(avals_out, roles_out, strict=True)],
             )
         axes = tuple(name for a in lead for name in names(a))
 
-        def lower(*operands):
-            # traced as XLA compiles, maybe under the caller's mesh, whose explicit axes
-            # would give the values made here (constants) sharding constraints that reach
-            # the backend: each device's function has no mesh
-            with jax.sharding.use_abstract_mesh(NO_MESH):
-                outs = list(local(*operands))
-                if axes:
-                    outs = [
-                        jax.lax.psum(o, axes) if r == VECTOR else o
-                        for o, r in zip(outs, roles_out, strict=True)
-                    ]
-            return tuple(outs)
+        def summed(*operands):
+            outs = list(fn(*operands))
+            if axes:
+                outs = [
+                    jax.lax.psum(o, axes) if r == VECTOR else o
+                    for o, r in zip(outs, roles_out, strict=True)
+                ]
+            return outs
 
-        return mesh, lower, tuple(out_shardings), tuple(arg_shardings)
+        return summed
 
     # where no result has n, the results are reduced over it (by ``split``'s collectives)
     reduces = all(r != ROWS for r in roles_out)
-    factors = {"reduction_factors": ("n",)} if reduces else {}
-    op.def_partition(
-        partition,
-        infer_sharding_from_operands=infer,
-        sharding_rule=sharding_rule(roles_in, roles_out, lead_rank),
-        **factors,
+    rule = sharding_rule(roles_in, roles_out, lead_rank)
+    whole = body or make(avals_in, avals_out)
+    return custom_partitioned(
+        whole, avals_in, avals_out, layout, local, rule, ("n",) if reduces else ()
     )
-    return in_auto_axes(op, avals_in, avals_out)
 
 
 def in_auto_axes(op, avals_in, avals_out):

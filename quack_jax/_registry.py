@@ -1,7 +1,7 @@
 """The op families, listed once. Each is a module with a ``SPEC`` (``_spec.OpSpec``):
 its public ops, its kernels' configurations, how to build them and its test grid.
-``build``, ``bench``, the cache's error message, ``benchmarks/prebuild.py`` and the test
-suites read them from here.
+``build``, ``bench``, ``benchmarks/prebuild.py`` and the test suites read them from
+here; the runtime never imports this module.
 
 Adding an op family: a module (or package) that defines its ops and its ``SPEC``, and its
 module path in ``FAMILIES``. docs/guides/adding_an_op.md says more.
@@ -14,10 +14,10 @@ import importlib
 from ._spec import OpSpec
 
 FAMILIES = [
-    "quack_jax.softmax",
+    "quack_jax.softmax.spec",
     "quack_jax.norm.spec",
-    "quack_jax.cross_entropy",
-    "quack_jax.linear_cross_entropy",
+    "quack_jax.cross_entropy.spec",
+    "quack_jax.linear_cross_entropy.spec",
 ]
 
 
@@ -37,13 +37,9 @@ def kernel_configs() -> dict[str, type]:
 
 
 def public_ops(kernel_op: str) -> tuple[str, ...]:
-    """The public ops whose build may make the kernel op: the one it is named after
-    (``rms_norm`` for ``rms_norm_fwd``) and the family's ops that no kernel is named
-    after (``token_logprobs`` runs cross_entropy's kernels), else every op of its family."""
+    """The public ops of the family that declares the kernel op (``KernelConfig.kernels``):
+    building them builds it."""
     for spec in families():
-        kernels = [k for config in spec.configs for k in config.kernels]
-        if kernel_op in kernels:
-            named = [op for op in spec.ops if any(k.startswith(op + "_") for k in kernels)]
-            ops = [op for op in spec.ops if kernel_op.startswith(op + "_") or op not in named]
-            return tuple(ops) or spec.ops
+        if any(kernel_op in config.kernels for config in spec.configs):
+            return spec.ops
     raise KeyError(f"no op family has a kernel {kernel_op!r}")

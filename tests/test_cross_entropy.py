@@ -2,9 +2,10 @@
 and lse of ``reference_rows``, which ``test_fuzz`` differentiates with JAX, and the
 closed form of their gradient): per-row losses, lse and their gradient (the forward and
 backward kernels), the mean and sum losses' gradient from the forward, every option mix
-(label smoothing, z-loss, softcap), special values and labels, leading dims and vmap,
-the mean over the rows not ignored, label dtypes, empty and float64 inputs, the optax
-alias, bad input, and the kernels a CUDA lowering launches.
+(label smoothing, z-loss, softcap), special values and labels,
+the mean over the rows not ignored, label dtypes, int64 labels, the optax alias, and
+the kernels a CUDA lowering launches. What every op has (jit, vmap, checkpoint, scan,
+float64, no rows and one row, bad arguments) is tested in ``test_contract.py``.
 
 Inputs are fresh random draws, a fifth of the labels ignored. On the GPU, where the
 logits are too large for a float64 copy, they are drawn on the device, the reference
@@ -361,30 +362,6 @@ def test_logits_at_the_float32_limit(backend):
     assert_close(scalar(loss), scalar(np.log(3.0) + np.log(2.0)), scalar(1.0), "float32", "sum")
 
 
-@pytest.mark.parametrize("backend", backends())
-def test_leading_dims_and_vmap(backend):
-    """Leading dims and vmap: the same rows' losses as flat rows, and the gradient."""
-    logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float32", "leading")
-    shape = (2, 3, SMALL_M // 6)
-    x3, l3 = logits.reshape(*shape, SMALL_N), labels.reshape(shape)
-
-    def rows(x, y):
-        return quack_jax.cross_entropy(x, y, reduction="none")
-
-    def total(x, y):
-        return quack_jax.cross_entropy(x, y, reduction="sum")
-
-    flat = run(backend, rows, logits, labels, launches=1)
-    np.testing.assert_array_equal(run(backend, rows, x3, l3, launches=1), flat.reshape(shape))
-    batched = run(backend, jax.vmap(rows), x3, l3, launches=1)
-    np.testing.assert_array_equal(batched, flat.reshape(shape))
-    grads = run(backend, jax.vmap(jax.grad(total)), x3, l3, launches=1)
-    ones = np.ones(labels.shape)
-    ref_loss, _, ref_grad, mag, row_mag = reference(logits, labels, ones, 0 * ones, OPTIONS[0])
-    assert_close(as64(flat), ref_loss, row_mag, "float32", "loss")
-    assert_close(as64(grads).reshape(logits.shape), ref_grad, mag, "float32", "vmap of grad")
-
-
 def rows_of(x, y):
     return quack_jax.cross_entropy(x, y, reduction="none")
 
@@ -425,23 +402,19 @@ def test_mean_counts_rows_not_ignored_labels_and_empty_inputs(backend):
 
 
 @pytest.mark.parametrize("backend", backends())
-def test_float64_runs_the_reference(backend):
+def test_int64_labels_beyond_int32_are_out_of_range(backend):
+    """With x64 on, an int64 label beyond int32's range is out of range (its row NaN),
+    not wrapped into it."""
     with jax.enable_x64(True):
-        logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float64", "float64")
-        labels = labels.astype(jnp.int64)
+        logits, labels, _, _ = draw(SMALL_M, SMALL_N, "float64", "int64 labels")
+        labels = jnp.maximum(labels, 0).astype(jnp.int64).at[0].set(2**32 + 1)
 
         def f(x, y):
             return quack_jax.cross_entropy(x, y, reduction="none", label_smoothing=0.2)
 
         out = run(backend, f, logits, labels, launches=0)
-        big = labels.at[0].set(2**32 + 1)  # beyond int32: out of range, not wrapped
-        first = run(backend, f, logits, big, launches=0)[0]
         assert out.dtype == jnp.float64
-        ones = np.ones(labels.shape)
-        opts = dict(OPTIONS[0], label_smoothing=0.2)
-        ref, _, _, _, row_mag = reference(logits, labels, ones, ones, opts)
-        assert_close(np.asarray(out), ref, row_mag, "float64", "float64 loss")
-        assert np.isnan(first)
+        assert np.isnan(out[0]) and np.isfinite(out[1:]).all()
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -740,44 +713,6 @@ def test_implementation_xla(backend, monkeypatch):
                 assert_close(a, b, np.abs(b) + 1e-3, "float32", f"{name}, {how}")
     with pytest.raises(ValueError, match="cross_entropy: implementation must be"):
         quack_jax.cross_entropy(logits, labels, implementation="triton")
-
-
-BAD = [
-    (dict(labels=jnp.zeros((4,), jnp.float32)), TypeError, "labels must have an integer dtype"),
-    (
-        dict(labels=jnp.zeros((5,), jnp.int32)),
-        ValueError,
-        "labels must have the logits' leading shape",
-    ),
-    (dict(labels=[0, 1, 2, 3]), TypeError, "labels must be an integer array"),
-    (dict(logits=jnp.zeros((4, 8), jnp.int32)), TypeError, "logits must have a floating dtype"),
-    (dict(reduction="avg"), ValueError, "reduction must be one of"),
-    (dict(label_smoothing=1.0), ValueError, "label_smoothing must be in"),
-    (dict(label_smoothing=-0.1), ValueError, "label_smoothing must be in"),
-    (dict(label_smoothing=jnp.float32(0.1)), TypeError, "label_smoothing must be a Python float"),
-    (dict(z_loss=-1.0), ValueError, "z_loss must be"),
-    (dict(logit_softcap=0.0), ValueError, "logit_softcap must be positive"),
-    (dict(logit_softcap=-1.0), ValueError, "logit_softcap must be positive and finite, got"),
-    (
-        dict(labels=jnp.zeros((4,), jnp.float16)),
-        TypeError,
-        r"labels must have an integer dtype \(any width\)",
-    ),
-    (dict(logit_softcap=float("inf")), ValueError, "logit_softcap must be"),
-    (dict(ignore_index=1.5), TypeError, "ignore_index must be a Python int"),
-    (dict(ignore_index=2**40), ValueError, "ignore_index must fit in int32"),
-    (dict(return_lse=1), TypeError, "return_lse must be a bool"),
-]
-
-
-@pytest.mark.parametrize(("change", "error", "message"), BAD)
-@pytest.mark.parametrize("backend", backends())
-def test_bad_inputs_name_the_argument(backend, change, error, message):
-    args = dict(logits=jnp.zeros((4, 8)), labels=jnp.zeros((4,), jnp.int32))
-    args.update(change)
-    logits, labels = args.pop("logits"), args.pop("labels")
-    with pytest.raises(error, match=f"cross_entropy: {message}"):
-        jax.jit(lambda x: quack_jax.cross_entropy(x, labels, **args)).trace(logits)
 
 
 @pytest.mark.cutlass

@@ -1,0 +1,187 @@
+"""``linear_cross_entropy`` and ``linear_token_logprobs``: the options checked once,
+then the chunked loop's derivatives (``differentiation.py``) or, with
+``implementation="xla"``, the whole logits and the cross-entropy's XLA formulation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from .._implementation import use_xla
+from ..cross_entropy.formulas import (
+    entropy_of,
+    finish,
+    logprob_outputs,
+    rows,
+    tempered,
+    xla_formulation,
+)
+from ..cross_entropy.options import (
+    CrossEntropyOptions,
+    checked_reduction,
+    labels_of,
+    logprob_options,
+)
+from .differentiation import Call, per_row, reduced
+from .options import LinearOptions
+
+
+def linear_cross_entropy(
+    h: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    transpose_weight: bool = False,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    temperature: float = 1.0,
+    return_lse: bool = False,
+    chunk_size: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    implementation: str | None = None,
+):
+    """``cross_entropy(h @ weight + bias, labels, ...)`` without making the logits.
+
+    The rows of ``h`` go in chunks of at most ``chunk_size``: each chunk's logits are made by
+    XLA's GEMM, and the cross-entropy kernel writes their gradient over them in place;
+    the weight gradient accumulates in float32. A "sum" or "mean" loss computes its
+    gradients in the forward pass; per-row losses recompute each chunk's logits in the
+    backward. Results and gradients are those of ``cross_entropy`` of the full logits.
+
+    Args:
+      h: array (..., d), float32, bfloat16 or float16 (float64 runs the XLA reference).
+      weight: the LM head, (d, V) as a Flax ``Dense`` kernel, or (V, d) with
+        ``transpose_weight`` (a tied embedding table, used without a transposed copy);
+        h's dtype.
+      labels: integer array of shape ``h.shape[:-1]``.
+      bias: None, or (V,) of the weight's dtype, added to the logits.
+      transpose_weight: whether ``weight`` is (V, d).
+      ignore_index, reduction, label_smoothing, z_loss: as in
+        :func:`quack_jax.cross_entropy`.
+      logit_softcap, temperature, return_lse: as in :func:`quack_jax.cross_entropy`.
+      chunk_size: the most rows per chunk, a positive int; by default (None) the rows
+        whose logits take at most 1 GiB and 1/8 of the free device memory (see
+        ``default_chunk``). The rows go in ceil(T / chunk_size) chunks of equal size;
+        where that size does not divide T, the last chunk ends at row T and overlaps
+        the one before it (its rows done before get no second gradient).
+      precision: of the three GEMMs, as in ``jax.lax.dot_general``.
+      preferred_element_type: the logits' dtype (default: h's). The backward GEMMs take
+        dlogits in h's dtype.
+      implementation: None, or "xla": the whole logits ``h @ weight + bias`` made by
+        XLA and :func:`quack_jax.cross_entropy`'s XLA formulation on them, differentiated
+        by JAX (no chunks, no quack_jax primitive: to bisect a numerics difference). None
+        follows ``$QUACK_JAX_IMPLEMENTATION``, read at trace time.
+
+    Returns:
+      the loss in float32 (float64 for float64 logits): a scalar for "sum" and "mean",
+      of ``labels``' shape for "none"; with ``return_lse`` the tuple ``(loss, lse)``.
+    """
+    fn = "linear_cross_entropy"
+    h, weight, bias, linear = LinearOptions.of(
+        fn,
+        h,
+        weight,
+        bias,
+        transpose_weight=transpose_weight,
+        chunk_size=chunk_size,
+        precision=precision,
+        preferred=preferred_element_type,
+    )
+    labels = labels_of(fn, labels, h.shape[:-1])
+    options = CrossEntropyOptions.of(
+        fn,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        logit_softcap=logit_softcap,
+        temperature=temperature,
+    )
+    checked_reduction(fn, reduction, return_lse)
+    if use_xla(fn, implementation):
+        logits = _logits(h, weight, bias, linear)
+        return xla_formulation(logits, labels, options, reduction, return_lse)
+    bias_dtype = None if bias is None else bias.dtype.name
+    call = Call(options, linear, reduction, weight.dtype.name, bias_dtype)
+    if reduction != "none" and not return_lse:
+        return reduced(call, h, weight, bias, labels)
+    loss, lse = per_row(call, h, weight, bias, labels)
+    return finish(loss, lse, labels, options, reduction, return_lse)
+
+
+def linear_token_logprobs(
+    h: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    transpose_weight: bool = False,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    logit_softcap: float | None = None,
+    ignore_index: int | None = None,
+    chunk_size: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    implementation: str | None = None,
+):
+    """``token_logprobs(h @ weight + bias, labels, ...)`` without making the logits: the
+    log-probability of each row's label at ``temperature``, and with ``return_entropy``
+    the entropy, in the chunks of :func:`linear_cross_entropy` (whose per-row path it
+    takes: under ``jax.grad`` the backward makes each chunk's logits again and runs the
+    backward kernel over them for the cotangents of both outputs).
+
+    Args:
+      h, weight, labels, bias, transpose_weight: as in :func:`linear_cross_entropy`.
+      chunk_size, precision, preferred_element_type: as in :func:`linear_cross_entropy`.
+      temperature, return_entropy, logit_softcap, ignore_index: as in
+        :func:`quack_jax.token_logprobs`.
+      implementation: None, or "xla": the whole logits made by XLA and
+        :func:`quack_jax.token_logprobs`' XLA formulation on them.
+
+    Returns:
+      logp, float32 of ``labels``' shape, and with ``return_entropy`` the tuple
+      ``(logp, entropy)``.
+    """
+    fn = "linear_token_logprobs"
+    h, weight, bias, linear = LinearOptions.of(
+        fn,
+        h,
+        weight,
+        bias,
+        transpose_weight=transpose_weight,
+        chunk_size=chunk_size,
+        precision=precision,
+        preferred=preferred_element_type,
+    )
+    shape = (*h.shape[:-1], linear.vocab(weight))
+    labels, options = logprob_options(
+        fn,
+        shape,
+        labels,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        logit_softcap=logit_softcap,
+        ignore_index=ignore_index,
+    )
+    if use_xla(fn, implementation):
+        logits = _logits(h, weight, bias, linear)
+        loss, shift, logsum = rows(logits, labels, options)
+        z, _ = tempered(logits, options)
+        ent = [entropy_of(z, shift, logsum)] if return_entropy else []
+    else:
+        bias_dtype = None if bias is None else bias.dtype.name
+        call = Call(options, linear, "none", weight.dtype.name, bias_dtype, return_entropy)
+        loss, _, *ent = per_row(call, h, weight, bias, labels)
+    return logprob_outputs(loss, ent, labels, options)
+
+
+def _logits(h, weight, bias, linear):
+    """The whole logits ``h @ weight + bias``, made by XLA (``implementation="xla"``)."""
+    d, vocab = h.shape[-1], linear.vocab(weight)
+    return linear.logits(h.reshape(-1, d), weight, bias).reshape(*h.shape[:-1], vocab)

@@ -1,0 +1,136 @@
+"""How ``jax.grad`` reaches the chunked loop: ``custom_vjp``s that make only the
+gradients autodiff asks for (``symbolic_zeros``). A "sum" or "mean" loss alone has its
+gradients at the end of the forward pass, which the cotangent scales; per-row losses (or
+lse) keep the row statistics, and the backward makes each chunk's logits again and runs
+the backward kernel over them in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from ..cross_entropy.formulas import coefficients, reduce, row_weights
+from ..cross_entropy.options import CrossEntropyOptions
+from .chunks import Needs
+from .options import LinearOptions
+from .primitive import bind
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """The static arguments of a call: the cross-entropy options, the linear map, the
+    reduction, the dtypes the gradients are returned in, and whether the rows' entropy
+    is made (linear_token_logprobs)."""
+
+    options: CrossEntropyOptions
+    linear: LinearOptions
+    reduction: str
+    weight_dtype: str
+    bias_dtype: str | None
+    entropy: bool = False
+
+    def bind(self, mode, needs, h, w, bias, labels, *per_row):
+        entropy = self.entropy and mode != "grad"
+        return bind(
+            mode,
+            needs,
+            h,
+            w,
+            bias,
+            labels,
+            *per_row,
+            linear=self.linear,
+            options=self.options,
+            entropy=entropy,
+        )
+
+    def gradients(self, needs, grads, scale=None):
+        """The cotangents of (h, weight, bias, labels) from the gradients ``needs`` made,
+        times ``scale``, in their arguments' dtypes."""
+        grads = iter(grads)
+        out = []
+        dtypes = (None, self.weight_dtype, self.bias_dtype)
+        for on, dtype in zip(dataclasses.astuple(needs), dtypes, strict=True):
+            g = next(grads) if on else None
+            if g is not None:
+                dtype = dtype or g.dtype
+                g = (g if scale is None else g * scale).astype(dtype)
+            out.append(g)
+        return (*out, None)
+
+
+NOTHING = Needs(False, False, False)
+
+
+def _needs(h, w, bias) -> Needs:
+    return Needs(h.perturbed, w.perturbed, bias is not None and bias.perturbed)
+
+
+def _values(*primals):
+    return [None if p is None else p.value for p in primals]
+
+
+# "sum" or "mean" alone: the gradients come from the forward pass
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def reduced(call: Call, h, w, bias, labels):
+    loss, *_ = call.bind("loss", NOTHING, h, w, bias, labels)
+    return reduce(loss, labels, call.options.ignore_index, call.reduction == "mean")
+
+
+def _reduced_forward(call: Call, h, w, bias, labels):
+    needs = _needs(h, w, bias)
+    h, w, bias, labels = _values(h, w, bias, labels)
+    ignore_index, mean = call.options.ignore_index, call.reduction == "mean"
+    weights = row_weights(labels, ignore_index, mean)
+    loss, _, _, *grads = call.bind("grad", needs, h, w, bias, labels, weights)
+    return reduce(loss, labels, ignore_index, mean), (needs, grads)
+
+
+def _reduced_backward(call: Call, saved, g):
+    needs, grads = saved
+    return call.gradients(needs, grads, g)
+
+
+reduced.defvjp(_reduced_forward, _reduced_backward, symbolic_zeros=True)
+
+
+# per-row losses (or lse): the backward makes each chunk's logits again
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def per_row(call: Call, h, w, bias, labels):
+    """The rows' loss and lse, and with ``call.entropy`` their entropy."""
+    loss, shift, logsum, *ent = call.bind("loss", NOTHING, h, w, bias, labels)
+    return (loss, shift + logsum, *ent)
+
+
+def _per_row_forward(call: Call, h, w, bias, labels):
+    needs = _needs(h, w, bias)
+    h, w, bias, labels = _values(h, w, bias, labels)
+    loss, shift, logsum, *ent = call.bind("loss", needs, h, w, bias, labels)
+    return (loss, shift + logsum, *ent), (needs, h, w, bias, labels, shift, logsum, ent)
+
+
+def _dense(cotangent, like):
+    if isinstance(cotangent, jax.custom_derivatives.SymbolicZero):
+        return jnp.zeros(like.shape, like.dtype)
+    return cotangent
+
+
+def _per_row_backward(call: Call, saved, cotangents):
+    needs, h, w, bias, labels, shift, logsum, ent = saved
+    lse = shift + logsum
+    g_loss, g_lse, *g_ent = (_dense(c, lse) for c in cotangents)
+    terms = (g_ent[0], logsum, ent[0]) if call.entropy else None
+    vocab = call.linear.vocab(w)
+    coefficient = coefficients(labels, vocab, call.options, lse, g_loss, g_lse, terms)
+    grads = call.bind("backward", needs, h, w, bias, labels, shift, logsum, *coefficient)
+    return call.gradients(needs, grads)
+
+
+per_row.defvjp(_per_row_forward, _per_row_backward, symbolic_zeros=True)

@@ -1,0 +1,154 @@
+"""The linear map's options (``LinearOptions``): how a chunk's logits are made from its
+rows, checked once from the public arguments with h, the weight and the bias."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._checks import float_array
+from .._partition import varying_like
+
+# the default chunk: rows whose logits take at most this many bytes, and at most this
+# fraction of the free device memory, a multiple of CHUNK_MULTIPLE rows: large enough
+# that each chunk's GEMMs run near the whole-T GEMMs' speed, small next to XLA's whole
+# logits (docs/decisions/017-linear-cross-entropy-chunks.md)
+CHUNK_BYTES = 1 << 30
+CHUNK_FREE_FRACTION = 1 / 8
+CHUNK_MULTIPLE = 128
+_PRECISIONS = tuple(p.name for p in lax.Precision)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearOptions:
+    """How a chunk's logits are made from its rows ``h`` (rows, d): ``h @ W`` with W of
+    shape (d, V), or (V, d) with ``transpose_weight``, plus an optional bias;
+    ``chunk_size`` rows at a time, GEMMs at ``precision``, logits of
+    ``preferred_element_type`` (a dtype name). The backward GEMMs take dlogits in h's
+    dtype and accumulate in float32."""
+
+    transpose_weight: bool
+    chunk_size: int
+    preferred_element_type: str
+    precision: Any = None
+
+    def _dot(self, a, b, contract, dtype):
+        return lax.dot_general(
+            a, b, (contract, ((), ())), precision=self.precision, preferred_element_type=dtype
+        )
+
+    def vocab(self, w) -> int:
+        return w.shape[0 if self.transpose_weight else 1]
+
+    def logits(self, h, w, bias):
+        dtype = self.preferred_element_type
+        z = self._dot(h, w, ((1,), (1 if self.transpose_weight else 0,)), dtype)
+        return z if bias is None else (z + bias).astype(dtype)
+
+    def dh(self, dlogits, w):
+        return self._dot(dlogits, w, ((1,), (0 if self.transpose_weight else 1,)), jnp.float32)
+
+    def dw(self, h, dlogits):
+        """The chunk's weight gradient in the weight's layout."""
+        if self.transpose_weight:
+            return self._dot(dlogits, h, ((0,), (0,)), jnp.float32)
+        return self._dot(h, dlogits, ((0,), (0,)), jnp.float32)
+
+    @classmethod
+    def of(cls, fn, h, weight, bias, *, transpose_weight, chunk_size, precision, preferred):
+        """h, the weight and the bias checked (errors name ``fn`` and the argument), the
+        weight and bias marked varying like h, and the options (the default chunk from
+        h's rows)."""
+        h = float_array(fn, "h", h)
+        weight = float_array(fn, "weight", weight)
+        if not isinstance(transpose_weight, bool):
+            raise TypeError(
+                f"{fn}: transpose_weight must be a bool, got {type(transpose_weight).__name__}"
+            )
+        d = h.shape[-1]
+        layout = "(V, d)" if transpose_weight else "(d, V)"
+        if weight.ndim != 2 or weight.shape[1 if transpose_weight else 0] != d:
+            raise ValueError(
+                f"{fn}: weight must have shape {layout} with d = {d} (h's last axis)"
+                f"{'' if transpose_weight else '; a (V, d) table needs transpose_weight=True'}, "
+                f"got {weight.shape}"
+            )
+        if weight.dtype != h.dtype:
+            raise TypeError(
+                f"{fn}: weight must have h's dtype {h.dtype}, got {weight.dtype} "
+                "(cast one of them first)"
+            )
+        vocab = weight.shape[0 if transpose_weight else 1]
+        if bias is not None:
+            bias = float_array(fn, "bias", bias)
+            if bias.shape != (vocab,):
+                raise ValueError(f"{fn}: bias must have shape ({vocab},), got {bias.shape}")
+            if bias.dtype != weight.dtype:
+                raise TypeError(
+                    f"{fn}: bias must have the weight's dtype {weight.dtype}, got {bias.dtype}"
+                )
+        weight, bias = (varying_like(h, v) for v in (weight, bias))
+        dtype = _logits_dtype(fn, preferred, h.dtype)
+        tokens = math.prod(h.shape[:-1])
+        if chunk_size is None:
+            chunk_size = default_chunk(tokens, vocab, np.dtype(dtype).itemsize)
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+            raise TypeError(
+                f"{fn}: chunk_size must be a positive int or None, got {type(chunk_size).__name__}"
+            )
+        elif chunk_size < 1:
+            raise ValueError(f"{fn}: chunk_size must be positive, got {chunk_size}")
+        linear = cls(transpose_weight, int(chunk_size), dtype, _precision(fn, precision))
+        return h, weight, bias, linear
+
+
+def default_chunk(tokens: int, vocab: int, itemsize: int) -> int:
+    """The default ``chunk_size``: rows whose logits take at most ``CHUNK_BYTES`` (1 GiB)
+    and at most ``CHUNK_FREE_FRACTION`` (1/8) of the default device's free memory where
+    it reports it, a multiple of ``CHUNK_MULTIPLE`` (128) rows, at least that many, and
+    no more than ``tokens``."""
+    budget = CHUNK_BYTES
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        budget = min(budget, int(free * CHUNK_FREE_FRACTION))
+    rows = budget // max(vocab * itemsize, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    return max(min(rows, tokens), min(CHUNK_MULTIPLE, tokens), 1)
+
+
+def _precision(fn, precision):
+    """``precision`` as lax.dot_general takes it, hashable."""
+    if precision is None or isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, str) and precision.upper() in _PRECISIONS:
+        return lax.Precision[precision.upper()]
+    if isinstance(precision, tuple) and len(precision) == 2:
+        return tuple(_precision(fn, p) for p in precision)
+    raise ValueError(
+        f"{fn}: precision must be None, a jax.lax.Precision, one of "
+        f"{[p.lower() for p in _PRECISIONS]} or a pair of them, got {precision!r}"
+    )
+
+
+def _logits_dtype(fn, preferred, dtype):
+    """The logits' dtype: h's, or ``preferred`` as JAX takes it (float64 is float32
+    unless x64 is enabled)."""
+    if preferred is None:
+        return np.dtype(dtype).name
+    try:
+        name = np.dtype(preferred).name
+    except TypeError:
+        name = None
+    if name not in ("float32", "bfloat16", "float16", "float64"):
+        raise TypeError(
+            f"{fn}: preferred_element_type must be None or a floating dtype "
+            f"(float32, bfloat16, float16, float64), got {preferred!r}"
+        )
+    return jax.dtypes.canonicalize_dtype(name).name
