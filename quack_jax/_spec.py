@@ -8,8 +8,7 @@ from collections.abc import Callable, Iterable
 
 import jax
 
-from . import _tiling
-from ._tiling import RowTiling, candidate_tilings, choose_tiling
+from ._tiling import RowTiling, TilingFamily, candidate_tilings, choose_tiling
 
 # (op, dtype, n, packaged) -> (fn, args): functions whose lowering for CUDA launches, so
 # builds, the op's kernels for rows of length n (args: jax.ShapeDtypeStruct); with
@@ -68,7 +67,7 @@ class Tuned:
     # the row entries tiling_<name> and tune_<name>; where it is the kernel op's suffix
     # ("fwd", "bwd"), ``prebuild.py --tune`` finds the tiling the benchmark launches by it
     name: str
-    family: str
+    family: TilingFamily
     passes: int
     fn: Callable
     prepare: Callable  # the op's arguments -> fn's
@@ -79,9 +78,9 @@ class Tuned:
     full_grid: bool = False
 
     def grids(self, n: int, itemsize: int) -> tuple[bool, ...]:
-        """The grids the candidates are timed on, as ``persistent_grid``'s ``one_wave``:
+        """The grids the candidates are timed on, as ``LoweringOptions.one_wave``:
         the one the op launches first."""
-        launched = _tiling.one_wave(self.family, n, itemsize)
+        launched = self.family.one_wave(n, itemsize)
         return (launched, not launched) if self.full_grid else (True,)
 
     def candidates(

@@ -13,10 +13,11 @@ numbers, so the two cannot disagree.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import math
+
+from ._lowering import options
 
 WARP = 32
 MAX_CLUSTER = 16
@@ -160,206 +161,72 @@ def make_tiling(
         cluster_n //= 2
 
 
-# Launch shapes (threads per row, threads per CTA, cluster size) by row length: the first
-# row whose limit holds n applies. Each entry is the tuner's fastest candidate at the
-# benchmark size that ends its range: docs/decisions/008-tiling-tables.md.
-_K = 1024
-_TABLES = {
-    ("softmax_fwd", 2): [
-        (1 * _K, (16, 128, 1)),
-        (4 * _K, (32, 128, 1)),
-        (16 * _K, (256, 256, 1)),
-        (64 * _K, (256, 256, 4)),
-        (128 * _K, (128, 128, 16)),
-        (256 * _K, (256, 256, 16)),
-    ],
-    ("softmax_fwd", 4): [
-        (1 * _K, (16, 256, 1)),
-        (4 * _K, (32, 128, 1)),
-        (16 * _K, (64, 128, 4)),
-        (64 * _K, (64, 128, 8)),
-        (256 * _K, (128, 128, 16)),
-    ],
-    ("softmax_bwd", 2): [
-        (1 * _K, (32, 256, 1)),
-        (4 * _K, (64, 128, 1)),
-        (16 * _K, (64, 128, 8)),
-        (128 * _K, (128, 128, 16)),
-        (256 * _K, (512, 512, 8)),
-    ],
-    ("softmax_bwd", 4): [
-        (1 * _K, (32, 128, 1)),
-        (4 * _K, (64, 128, 1)),
-        (16 * _K, (64, 128, 8)),
-        (128 * _K, (128, 128, 16)),
-        (256 * _K, (256, 256, 16)),
-    ],
-}
-# Norms, with float32 weights (and bias), tuned on the driver's persistent grids: RMSNorm
-# and LayerNorm each have their own, since LayerNorm's two reductions and bias move its
-# best tilings (docs/decisions/014-norm-tilings-and-direct-forward.md).
-_TABLES["rms_norm_fwd", 2] = [
-    (1 * _K, (32, 256, 1)),
-    (4 * _K, (64, 128, 2)),
-    (8 * _K, (128, 128, 2)),
-    (16 * _K, (64, 128, 4)),
-    (64 * _K, (64, 256, 16)),
-]
-_TABLES["rms_norm_fwd", 4] = [
-    (1 * _K, (32, 256, 1)),
-    (2 * _K, (32, 256, 1)),
-    (4 * _K, (128, 256, 1)),
-    (8 * _K, (128, 128, 2)),
-    (16 * _K, (32, 256, 8)),
-    (64 * _K, (128, 128, 8)),
-]
-_TABLES["rms_norm_bwd", 2] = [
-    (1 * _K, (32, 128, 1)),
-    (4 * _K, (256, 512, 1)),
-    (8 * _K, (512, 512, 1)),
-    (16 * _K, (128, 128, 8)),
-    (64 * _K, (128, 128, 16)),
-]
-_TABLES["rms_norm_bwd", 4] = [
-    (1 * _K, (32, 256, 1)),
-    (4 * _K, (128, 512, 2)),
-    (8 * _K, (256, 256, 1)),
-    (16 * _K, (512, 512, 2)),
-    (64 * _K, (128, 128, 16)),
-]
-_TABLES["layer_norm_fwd", 2] = [
-    (1 * _K, (32, 128, 1)),
-    (4 * _K, (64, 512, 2)),
-    (8 * _K, (64, 256, 4)),
-    (16 * _K, (128, 256, 4)),
-    (64 * _K, (256, 256, 8)),
-]
-_TABLES["layer_norm_fwd", 4] = [
-    (1 * _K, (32, 128, 1)),
-    (2 * _K, (64, 256, 1)),
-    (4 * _K, (128, 256, 1)),
-    (8 * _K, (256, 256, 1)),
-    (16 * _K, (64, 512, 8)),
-    (64 * _K, (256, 256, 8)),
-]
-_TABLES["layer_norm_bwd", 2] = [
-    (1 * _K, (64, 128, 1)),
-    (4 * _K, (256, 256, 1)),
-    (8 * _K, (128, 128, 4)),
-    (16 * _K, (128, 256, 8)),
-    (64 * _K, (256, 256, 16)),
-]
-_TABLES["layer_norm_bwd", 4] = [
-    (1 * _K, (64, 512, 1)),
-    (4 * _K, (256, 512, 1)),
-    (8 * _K, (256, 256, 2)),
-    (16 * _K, (256, 256, 4)),
-    (64 * _K, (512, 512, 8)),
-]
-# Persistent kernels launch one wave of clusters, except for rows up to these lengths,
-# where one CTA per row block measured faster: the float32 norm forwards up to n = 8192,
-# which on that grid load their rows straight into registers (``kernels/norm.py``'s
-# ``staged``), and whose table entries up to 8192 are tuned for that kernel. At 16384 and
-# in bfloat16 one staged wave was as fast or faster:
-# docs/decisions/014-norm-tilings-and-direct-forward.md.
-_FULL_GRID_UP_TO = {("rms_norm_fwd", 4): 8 * _K, ("layer_norm_fwd", 4): 8 * _K}
-# Cross-entropy: the forward reduces a row like softmax's forward (reads only); the
-# backward is elementwise, so long rows are split into column blocks of separate CTAs
-# (``cluster_n`` of them, launched without a cluster) of about 32 elements a thread.
-_TABLES["ce_fwd", 2] = _TABLES["softmax_fwd", 2]
-_TABLES["ce_fwd", 4] = _TABLES["softmax_fwd", 4]
-# the forward with the entropy (token_logprobs): two live values an element
-_TABLES["ce_entropy", 2] = _TABLES["softmax_fwd", 2]
-_TABLES["ce_entropy", 4] = _TABLES["softmax_fwd", 4]
-_TABLES["ce_bwd", 2] = [
-    (1 * _K, (32, 256, 1)),
-    (2 * _K, (64, 256, 1)),
-    (4 * _K, (128, 256, 1)),
-    (8 * _K, (256, 256, 1)),
-    (16 * _K, (256, 256, 2)),
-    (32 * _K, (256, 256, 4)),
-    (64 * _K, (256, 256, 8)),
-    (256 * _K, (256, 256, 16)),
-]
-_TABLES["ce_bwd", 4] = _TABLES["ce_bwd", 2]
-# Streamed tilings (threads per row, threads per CTA, cluster size, elements a thread per
-# step) of the families that have them, for rows up to each limit (None: not streamed),
-# at STREAM_MIN_ROWS rows or more: enough rows to fill the GPU without a long row's
-# cluster, where a thread that holds one group of its row at a time lets several CTAs
-# share an SM. Fewer rows, and rows whose vectors are under 8 bytes (n = 50257, say, which
-# streams slower than it runs held in registers), take the tables above. A kernel with
-# more live values per element than its family's (the forward with label smoothing)
-# takes proportionally fewer elements per step. Tuned at 2048 to 8192 rows:
-# docs/decisions/009-streamed-cross-entropy-tilings.md.
-STREAM_MIN_ROWS = 2048
-_STREAMED_TABLES = {
-    ("ce_fwd", 2): [(16 * _K, None), (128 * _K, (128, 128, 1, 32)), (256 * _K, (256, 256, 1, 32))],
-    ("ce_entropy", 2): [(16 * _K, None), (256 * _K, (128, 128, 1, 16))],
-    ("ce_bwd", 2): [
-        (16 * _K, None),
-        (64 * _K, (512, 512, 1, 32)),
-        (160 * _K, (1024, 1024, 1, 32)),
-        (256 * _K, (512, 512, 1, 32)),
-    ],
-}
-STREAMED = frozenset(family for family, _ in _STREAMED_TABLES)
-
-
-# The forward that also writes the gradient (a mean or sum loss under autodiff) reads and
-# writes the row, so it has a table of its own, tuned alone at n = 1024, 32000, 50257,
-# 128256, 151936 and 262144, the softmax forward's entries between them:
-# docs/decisions/011-cross-entropy-forward-writes-gradient.md.
-_TABLES["ce_grad", 2] = [
-    (1 * _K, (32, 256, 1)),
-    (4 * _K, (32, 128, 1)),
-    (16 * _K, (256, 256, 1)),
-    (32 * _K, (256, 256, 4)),
-    (128 * _K, (128, 128, 8)),
-    (160 * _K, (1024, 1024, 4)),
-    (256 * _K, (128, 128, 16)),
-]
-_TABLES["ce_grad", 4] = [
-    (1 * _K, (32, 128, 1)),
-    (4 * _K, (32, 128, 1)),
-    (16 * _K, (64, 128, 4)),
-    (32 * _K, (128, 128, 4)),
-    (64 * _K, (128, 128, 8)),
-    (256 * _K, (128, 128, 16)),
-]
+K = 1024
 # Register budget: float32 values a thread keeps live. A kernel keeps ``live`` values per
 # element of its row slice (softmax forward: x; its derivative: x and the tangent; norms
 # also weights, bias, residual, cotangents and weight-gradient accumulators), so it holds
-# budget // live elements per thread.
-_MAX_VALUES_PER_THREAD = {
-    "softmax_fwd": 128,
-    "softmax_bwd": 128,
-    "rms_norm_fwd": 128,
-    "rms_norm_bwd": 128,
-    "layer_norm_fwd": 128,
-    "layer_norm_bwd": 128,
-    "ce_fwd": 128,
-    "ce_entropy": 128,
-    "ce_bwd": 128,
-    "ce_grad": 128,
-}
-_LIVE = {
-    "softmax_fwd": 1,
-    "softmax_bwd": 2,
-    "ce_fwd": 1,
-    "ce_entropy": 2,
-    "ce_bwd": 2,
-    "ce_grad": 1,
-}
-
-
+# MAX_VALUES_PER_THREAD // live elements per thread.
+MAX_VALUES_PER_THREAD = 128
+# Streamed tilings apply from this many rows: enough to fill the GPU without a long row's
+# cluster (docs/decisions/009-streamed-cross-entropy-tilings.md).
+STREAM_MIN_ROWS = 2048
 # Kernels that stage row blocks in shared memory (the persistent norm kernels) keep a
 # CTA's block of all staged rows within twice this many bytes, and 3 * STAGE_BYTES of
 # blocks in flight per CTA.
 STAGE_BYTES = 32 * 1024
 
 
-def elems_budget(family: str, live: int | None = None) -> int:
-    return max(_MAX_VALUES_PER_THREAD[family] // (live or _LIVE.get(family, 1)), 8)
+@dataclasses.dataclass(frozen=True, eq=False)  # each family is its own: hashed by identity
+class TilingFamily:
+    """The launch shapes of a kernel family: kernels that choose their tilings alike.
+
+    Each op family declares its own (its ``tilings.py``); the tuner's tables are
+    docs/decisions/008-tiling-tables.md.
+
+    Attributes:
+      name: the family's name in the benchmark's tables and the tuner's output.
+      tables: by itemsize (2: the 16-bit dtypes, 4: float32), rows ``(limit, (threads
+        per row, threads per CTA, cluster size))``: the first row whose limit holds the
+        row length applies (longer rows take the last).
+      live: float32 values a thread keeps per element of its row slice, for the register
+        budget (``MAX_VALUES_PER_THREAD``); a kernel may pass its own.
+      streamed: by itemsize, rows ``(limit, (threads per row, threads per CTA, cluster
+        size, elements a thread per step) or None)`` for ``STREAM_MIN_ROWS`` rows or more
+        (None: not streamed); rows longer than the last limit are not streamed.
+      full_grid_up_to: by itemsize, the row length up to which a persistent kernel of the
+        family launches one CTA per row block instead of one wave of clusters.
+    """
+
+    name: str
+    tables: dict[int, list]
+    live: int = 1
+    streamed: dict[int, list] = dataclasses.field(default_factory=dict)
+    full_grid_up_to: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def __repr__(self):
+        return f"TilingFamily({self.name!r})"
+
+    def budget(self, live: int | None = None) -> int:
+        """Row elements a thread may hold with ``live`` values each (default: the family's)."""
+        return max(MAX_VALUES_PER_THREAD // (live or self.live), 8)
+
+    def one_wave(self, n: int, itemsize: int) -> bool:
+        """Whether a persistent kernel of this family launches one wave of clusters (else
+        one CTA per row block: ``full_grid_up_to``)."""
+        return n > self.full_grid_up_to.get(min(itemsize, 4), 0)
+
+    def streamable(self, n: int, itemsize: int) -> bool:
+        """Whether rows of ``n`` elements may stream: the family has streamed tables and
+        the rows' vectors are at least 8 bytes."""
+        return bool(self.streamed) and max_vec(n, itemsize) * itemsize >= 8
+
+    def streamed_entry(self, n: int, itemsize: int, rows: int) -> tuple | None:
+        """The streamed table's entry for these rows, or None where they are not streamed
+        (rows longer than its last limit, the longest the kernels were tested on, included)."""
+        table = self.streamed.get(min(itemsize, 4))
+        if rows < STREAM_MIN_ROWS or table is None or not self.streamable(n, itemsize):
+            return None
+        return next((v for limit, v in table if n <= limit), None)
 
 
 def _fits(tiling: RowTiling, budget: int, staged_bytes: int | None) -> bool:
@@ -369,32 +236,8 @@ def _fits(tiling: RowTiling, budget: int, staged_bytes: int | None) -> bool:
     return tiling.live_elems <= budget and block <= 2 * STAGE_BYTES
 
 
-def one_wave(family: str, n: int, itemsize: int) -> bool:
-    """Whether a persistent kernel of this family launches one wave of clusters (else one
-    CTA per row block: ``_FULL_GRID_UP_TO``)."""
-    return n > _FULL_GRID_UP_TO.get((family, min(itemsize, 4)), 0)
-
-
-_overrides: dict[tuple[str, int, int], RowTiling] = {}
-
-
-@contextlib.contextmanager
-def override_tiling(family: str, n: int, itemsize: int, tiling: RowTiling):
-    """Use ``tiling`` for this kernel family and size while tracing inside the block (tuning)."""
-    key = (family, n, itemsize)
-    previous = _overrides.get(key)
-    _overrides[key] = tiling
-    try:
-        yield
-    finally:
-        if previous is None:
-            del _overrides[key]
-        else:
-            _overrides[key] = previous
-
-
 def candidate_tilings(
-    family: str,
+    family: TilingFamily,
     n: int,
     itemsize: int,
     vec_itemsize: int | None = None,
@@ -405,7 +248,7 @@ def candidate_tilings(
     size, the two smallest clusters that fit the register budget, keeping each thread at
     least 32 elements (or 8 vectors, or the budget) so that enough loads are in flight;
     for the streamed families also streamed tilings (see ``_streamed_candidates``)."""
-    budget = elems_budget(family, live)
+    budget = family.budget(live)
     vec = max_vec(n, max(itemsize, vec_itemsize or 0))
     out = []
     for tpr, threads in itertools.product(
@@ -422,7 +265,7 @@ def candidate_tilings(
             ):
                 fitting.append(tiling)
         out += fitting[:2]
-    if _streamable(family, n, itemsize):
+    if family.streamable(n, itemsize):
         out += _streamed_candidates(n, max(itemsize, vec_itemsize or 0))
     return out
 
@@ -439,21 +282,8 @@ def _streamed_candidates(n: int, itemsize: int) -> list[RowTiling]:
     return out
 
 
-def _streamable(family: str, n: int, itemsize: int) -> bool:
-    return family in STREAMED and max_vec(n, itemsize) * itemsize >= 8
-
-
-def _streamed_entry(family: str, n: int, itemsize: int, rows: int) -> tuple | None:
-    """The streamed table's entry for these rows, or None where they are not streamed
-    (rows longer than its last limit, the longest the kernels were tested on, included)."""
-    table = _STREAMED_TABLES.get((family, min(itemsize, 4)))
-    if rows < STREAM_MIN_ROWS or table is None or not _streamable(family, n, itemsize):
-        return None
-    return next((v for limit, v in table if n <= limit), None)
-
-
 def choose_tiling(
-    family: str,
+    family: TilingFamily,
     n: int,
     itemsize: int,
     vec_itemsize: int | None = None,
@@ -465,24 +295,23 @@ def choose_tiling(
 
     ``itemsize`` is the row dtype's and picks the table; ``vec_itemsize``, the widest
     element the kernel reads (weights), bounds the vector width; ``live`` values per
-    element set the register budget (see ``elems_budget``), ``staged_bytes`` the shared
-    memory of staged kernels (see ``_fits``); ``rows``, the number of rows, whether a
-    streamed tiling applies (``_STREAMED_TABLES``). Else starts from the tables, then
-    spreads a row over more threads (up to 256), then over more CTAs (up to 16, or as many
-    as can share the row, and then over up to 1024 threads), until the tiling fits.
+    element set the register budget (see ``TilingFamily.budget``), ``staged_bytes`` the
+    shared memory of staged kernels (see ``_fits``); ``rows``, the number of rows, whether
+    a streamed tiling applies (``TilingFamily.streamed``). Else starts from the tables,
+    then spreads a row over more threads (up to 256), then over more CTAs (up to 16, or as
+    many as can share the row, and then over up to 1024 threads), until the tiling fits.
     """
-    if tiling := _overrides.get((family, n, itemsize)):
+    if tiling := options().tilings.get((family, n, itemsize)):
         return tiling
-    table = _TABLES[family, min(itemsize, 4)]
+    table = family.tables[min(itemsize, 4)]
     vec_itemsize = max(itemsize, vec_itemsize or 0)
-    if entry := _streamed_entry(family, n, itemsize, rows):
+    if entry := family.streamed_entry(n, itemsize, rows):
         tpr, threads, cluster, step = entry
-        default_live = _LIVE.get(family, 1)
         return make_tiling(
-            n, vec_itemsize, tpr, threads, cluster, step * default_live // (live or default_live)
+            n, vec_itemsize, tpr, threads, cluster, step * family.live // (live or family.live)
         )
     tpr, threads, cluster = next((v for limit, v in table if n <= limit), table[-1][1])
-    budget = elems_budget(family, live)
+    budget = family.budget(live)
     while True:
         tiling = make_tiling(n, vec_itemsize, tpr, threads, cluster)
         if _fits(tiling, budget, staged_bytes):

@@ -21,8 +21,11 @@ import pytest
 
 import quack_jax
 from quack_jax import _cache, _ffi, _registry, bench, build
-from quack_jax._primitive import persistent_grid
+from quack_jax._lowering import lowering
 from quack_jax._tiling import STREAM_MIN_ROWS, RowTiling, candidate_tilings, choose_tiling
+from quack_jax.cross_entropy.tilings import CE_BWD, CE_ENTROPY, CE_FWD
+from quack_jax.softmax.config import Softmax, SoftmaxDerivative
+from quack_jax.softmax.tilings import SOFTMAX_BWD, SOFTMAX_FWD
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EM_CUDA = 190
@@ -132,15 +135,15 @@ def test_the_packaged_build_removes_entries_of_other_sources(cache, monkeypatch)
 
 @pytest.mark.cutlass
 def test_cache_reuses_and_repairs_entries(cache):
-    tiling = choose_tiling("softmax_fwd", 4096, 2)
-    first = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
+    tiling = choose_tiling(SOFTMAX_FWD, 4096, 2)
+    first = _cache.get_kernel(Softmax(), "bfloat16", tiling, "sm_90a")
     (path,) = cache.glob("*.json")
     assert cubin_arch(first.cubin) == 90
     _cache._memory.clear()
-    assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == first
+    assert _cache.get_kernel(Softmax(), "bfloat16", tiling, "sm_90a") == first
     path.write_text(path.read_text()[:200])  # a torn write
     _cache._memory.clear()
-    assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == first
+    assert _cache.get_kernel(Softmax(), "bfloat16", tiling, "sm_90a") == first
     assert json.loads(path.read_text())["sha256"]
 
 
@@ -148,15 +151,15 @@ def test_cache_reuses_and_repairs_entries(cache):
 def test_corrupted_entry_is_detected_and_rebuilt(cache):
     """A cubin whose bytes changed (same length, so only the hash can tell) is not
     loaded: the kernel is compiled again and the entry rewritten."""
-    tiling = choose_tiling("softmax_fwd", 1000, 4)
-    first = _cache.get_kernel("softmax_fwd", "float32", tiling, "sm_90a")
+    tiling = choose_tiling(SOFTMAX_FWD, 1000, 4)
+    first = _cache.get_kernel(Softmax(), "float32", tiling, "sm_90a")
     (path,) = cache.glob("*.json")
     entry = json.loads(path.read_text())
     cubin = bytearray(base64.b64decode(entry["cubin"]))
     cubin[len(cubin) // 2] ^= 0xFF
     path.write_text(json.dumps(entry | {"cubin": base64.b64encode(cubin).decode()}))
     _cache._memory.clear()
-    assert _cache.get_kernel("softmax_fwd", "float32", tiling, "sm_90a") == first
+    assert _cache.get_kernel(Softmax(), "float32", tiling, "sm_90a") == first
     assert base64.b64decode(json.loads(path.read_text())["cubin"]) == first.cubin
 
 
@@ -166,7 +169,9 @@ def test_two_processes_compiling_one_kernel_both_succeed(cache):
     write is atomic, so the entry left is whole and no temporary file remains."""
     code = (
         "from quack_jax import _cache; from quack_jax._tiling import choose_tiling; "
-        "k = _cache.get_kernel('softmax_bwd', 'bfloat16', choose_tiling('softmax_bwd', 3000, 2), "
+        "from quack_jax.softmax.config import SoftmaxDerivative as D; "
+        "from quack_jax.softmax.tilings import SOFTMAX_BWD; "
+        "k = _cache.get_kernel(D(), 'bfloat16', choose_tiling(SOFTMAX_BWD, 3000, 2), "
         "'sm_90a'); print(len(k.cubin))"
     )
     (cache.parent / "tmp").mkdir()  # the children's own fallback folder: empty
@@ -194,28 +199,28 @@ def test_unwritable_cache_falls_back_to_a_temporary_folder(tmp_path, monkeypatch
     monkeypatch.setattr(_cache, "fallback_dir", lambda: tmp_path / "fallback")
     monkeypatch.setattr(_cache, "PACKAGED", tmp_path / "packaged")
     monkeypatch.setattr(_cache, "_memory", {})
-    tiling = choose_tiling("softmax_fwd", 700, 2)
+    tiling = choose_tiling(SOFTMAX_FWD, 700, 2)
     with pytest.warns(UserWarning, match="cannot write the kernel cache.*using .*fallback"):
-        first = _cache.get_kernel("softmax_fwd", "float16", tiling, "sm_90a")
+        first = _cache.get_kernel(Softmax(), "float16", tiling, "sm_90a")
     assert len(list((tmp_path / "fallback").glob("*.json"))) == 1
     _cache._memory.clear()
     monkeypatch.setattr(_cache, "dsl_version", lambda: None)  # a compile would now fail
-    assert _cache.get_kernel("softmax_fwd", "float16", tiling, "sm_90a") == first
+    assert _cache.get_kernel(Softmax(), "float16", tiling, "sm_90a") == first
 
 
 @pytest.mark.cutlass
 def test_packaged_cubins_are_found_without_cutlass(cache, monkeypatch):
     """An entry among the cubins packaged with quack_jax serves a lookup when the cache
     is empty and CuTe-DSL is absent (a user who installed only the wheel)."""
-    tiling = choose_tiling("softmax_fwd", 2048, 2)
-    built = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
+    tiling = choose_tiling(SOFTMAX_FWD, 2048, 2)
+    built = _cache.get_kernel(Softmax(), "bfloat16", tiling, "sm_90a")
     (path,) = cache.glob("*.json")
     packaged = cache.parent / "packaged"
     packaged.mkdir()
     path.rename(packaged / path.name)
     _cache._memory.clear()
     monkeypatch.setattr(_cache, "dsl_version", lambda: None)
-    assert _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a") == built
+    assert _cache.get_kernel(Softmax(), "bfloat16", tiling, "sm_90a") == built
     assert not list(cache.glob("*.json"))
 
 
@@ -278,18 +283,21 @@ def test_packaged_cubins_cover_the_packaged_row_lengths(wheel_only):
 
 def test_missing_kernel_without_cutlass_names_the_build_command(cache, monkeypatch):
     monkeypatch.setattr(_cache, "dsl_version", lambda: None)
-    tiling = choose_tiling("softmax_bwd", 5000, 4)
+    tiling = choose_tiling(SOFTMAX_BWD, 5000, 4)
     with pytest.raises(quack_jax.MissingKernelError) as info:
-        _cache.get_kernel("softmax_bwd", "float32", tiling, "sm_90a")
+        _cache.get_kernel(SoftmaxDerivative(), "float32", tiling, "sm_90a")
     message = str(info.value)
     assert "n=5000" in message and _cache.INSTALL_COMPILER in message
-    assert "python -m quack_jax.build --arch sm_90a --ops softmax --dtypes float32" in message
-    with pytest.raises(quack_jax.MissingKernelError, match="--ops log_softmax --dtypes bfloat16"):
-        _cache.get_kernel("log_softmax_jvp", "bfloat16", tiling, "sm_90a")
+    assert "python -m quack_jax.build --arch sm_90a --ops softmax_bwd --dtypes float32" in message
+    with pytest.raises(quack_jax.MissingKernelError, match="--ops log_softmax_jvp --dtypes bf"):
+        _cache.get_kernel(SoftmaxDerivative(kind="log_jvp"), "bfloat16", tiling, "sm_90a")
 
 
 @pytest.mark.cutlass
 def test_build_command(cache):
+    """The command a missing cubin's error names: a kernel op builds its family's public
+    ops' kernels (softmax's and log_softmax's forwards and derivatives), the one named
+    among them."""
     cmd = [
         sys.executable,
         "-m",
@@ -297,7 +305,7 @@ def test_build_command(cache):
         "--cache",
         str(cache),
         "--ops",
-        "softmax",
+        "softmax_bwd",
         "--dtypes",
         "float16",
         "--sizes",
@@ -305,8 +313,9 @@ def test_build_command(cache):
         "65536",
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    assert "4 kernels ready" in out
-    assert len(list(cache.glob("*float16-n65536-*.json"))) == 2
+    assert "softmax log_softmax: " in out
+    for n in (7, 65536):
+        assert len(list(cache.glob(f"softmax_bwd-float16-n{n}-*.json"))) == 1
 
 
 def test_tiling_rules():
@@ -316,14 +325,14 @@ def test_tiling_rules():
         RowTiling(1000, 16, 32, 128, 1)
     for n in (1, 7, 100, 1000, 5000, 131071, 262144):
         for itemsize in (2, 4):
-            for family in ("softmax_fwd", "softmax_bwd"):
+            for family in (SOFTMAX_FWD, SOFTMAX_BWD):
                 t = choose_tiling(family, n, itemsize)
                 assert t.vec * itemsize <= 16 and n % t.vec == 0
                 assert t.cols_per_cta * t.cluster_n >= n > t.cols_per_cta * (t.cluster_n - 1)
-    assert choose_tiling("softmax_bwd", 2**20, 4) is None
+    assert choose_tiling(SOFTMAX_BWD, 2**20, 4) is None
 
 
-@pytest.mark.parametrize("family", ["ce_fwd", "ce_entropy", "ce_bwd"])
+@pytest.mark.parametrize("family", [CE_FWD, CE_ENTROPY, CE_BWD], ids=repr)
 def test_streamed_tilings_cover_the_row_in_steps(family):
     """Streamed from STREAM_MIN_ROWS rows on (long rows of 8-byte vectors only); each
     CTA's columns are whole steps of one group a thread; the tuner's streamed candidates
@@ -396,8 +405,8 @@ def test_a_call_that_misses_a_kernel_parameter_is_an_error_at_lowering(cache):
     """The launcher passes a pointer per operand and result, then the scalars; a call
     whose count differs from the kernel's parameters (softmax's forward: x, y, m) raises
     at lowering, naming the kernel, instead of launching with the wrong arguments."""
-    tiling = choose_tiling("softmax_fwd", 4096, 2)
-    kernel = _cache.get_kernel("softmax_fwd", "bfloat16", tiling, "sm_90a")
+    tiling = choose_tiling(SOFTMAX_FWD, 4096, 2)
+    kernel = _cache.get_kernel(Softmax(), "bfloat16", tiling, "sm_90a")
     assert kernel.parameters == 3
     x = jax.ShapeDtypeStruct((4, 4096), jnp.bfloat16)
     good = _ffi.call(kernel, (4, 1, 1), tiling.block, (1, 1, 1), (4,), [x])
@@ -481,7 +490,7 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
     grad = jax.grad(lambda x: jnp.sum(quack_jax.log_softmax(x).astype(jnp.float32) ** 2))
     text = lowered(grad, x)
     assert text.count(f"custom_call @{_ffi.TARGET}") == 2
-    rows_per_cta = choose_tiling("softmax_fwd", 1000, 2).rows_per_cta
+    rows_per_cta = choose_tiling(SOFTMAX_FWD, 1000, 2).rows_per_cta
     assert f"grid = dense<[{-(-28 // rows_per_cta)}, 1, 1]>" in text
     assert "scalars = dense<28>" in text
     # log-softmax's derivative reads x: only it runs when nothing uses the forward output;
@@ -507,7 +516,7 @@ def test_cuda_lowering_launches_kernels(cache, monkeypatch):
 def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     """``_cache.kernels_used`` lists the kernels a lowering takes; a persistent kernel
     gets one wave, or one CTA per row block where its family's rule says so (the float32
-    norm forwards up to n = 8192) or inside ``_primitive.persistent_grid(False)``. The
+    norm forwards up to n = 8192) or inside ``_lowering.lowering(one_wave=False)``. The
     norm forward stages its rows in shared memory on one wave only."""
     monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
     x = jnp.zeros((65536, 1024), jnp.bfloat16)
@@ -525,7 +534,7 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
     assert used == again == outer
     ((op, dtype, tiling, variant),) = used
     assert (op, dtype, variant) == ("rms_norm_fwd", "bfloat16", ())
-    with persistent_grid(one_wave=False), _cache.kernels_used() as used:
+    with lowering(one_wave=False), _cache.kernels_used() as used:
         assert grid() == 65536 // tiling.rows_per_cta > one_wave
     assert [variant for *_, variant in used] == [(("staged", False),)]
     assert grid() == one_wave
@@ -536,7 +545,7 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
         ((_, dtype, tiling, variant),) = used
         assert dtype == "float32" and full == 65536 // tiling.rows_per_cta
         assert variant == (("staged", False),)
-        with persistent_grid(one_wave=True), _cache.kernels_used() as used:
+        with lowering(one_wave=True), _cache.kernels_used() as used:
             assert grid(x32) < full
         assert [variant for *_, variant in used] == [()]
 
@@ -544,17 +553,18 @@ def test_lowering_hooks_record_the_kernels_and_set_the_grid(cache, monkeypatch):
 @pytest.mark.cutlass
 @pytest.mark.parametrize("op", _registry.kernel_configs())
 def test_kernel_configs_match_the_kernels(op):
-    """Each configuration names its kernel's scalar parameters (after ``m``, before the
-    stream) in order, and its options and selecting fields are keyword arguments of the
-    kernel class; its default is one of its kernel ops."""
+    """Each kernel class takes its configuration's scalars, whose names are its kernel's
+    parameters after ``m``, in order; the configuration's options and selecting fields
+    are keyword arguments of the kernel class; its default is one of its kernel ops."""
     import inspect
 
     from quack_jax import kernels
 
     config = _registry.kernel_configs()[op]
-    cls, fixed = kernels.kernel_class(op)
-    params = list(inspect.signature(cls.__call__).parameters)
-    assert tuple(params[params.index("m") + 1 : -1]) == config.scalar_names()
+    cls, fixed = kernels.kernel_class(config.kernel_class), config.kernels[op]
+    assert list(cls.scalars.items()) == list(config.scalar_types().items())
+    params = list(inspect.signature(cls.kernel).parameters)
+    assert params[params.index("m") + 1 :] == list(config.scalar_types())
     init = inspect.signature(cls.__init__).parameters
     assert {f.name for f in config._fields("option")} <= set(init)
     assert set(fixed) == {f.name for f in config._fields(None)} <= set(init)

@@ -1,6 +1,6 @@
 """An op is declared once: the toy family in ``tests/l2_norm/`` (one folder) plus one line in
-``_registry.FAMILIES`` reaches build, bench, the cache's error message and the test grid,
-and its kernel runs on a GPU, with no other file edited."""
+``_registry.FAMILIES`` reaches build (also of the kernel op that a missing cubin's error
+names), bench and the test grid, and its kernel runs on a GPU, with no other file edited."""
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +30,15 @@ with pytest.MonkeyPatch.context() as patch:  # the grid, read while the family i
     GRID = grid("l2_norm")
 
 
-def l2_norm(x):
+def family():
+    """The toy family's module (imported once the test has put its folder on the path)."""
     import l2_norm
 
-    return l2_norm.l2_norm(x)
+    return l2_norm
+
+
+def l2_norm(x):
+    return family().l2_norm(x)
 
 
 def test_every_tool_sees_the_new_op():
@@ -42,10 +47,27 @@ def test_every_tool_sees_the_new_op():
     assert _registry.public_ops("l2_norm_fwd") == ("l2_norm",)
     assert "l2_norm" in bench.benchmarks()
     command = _cache.build_command(
-        "l2_norm_fwd", "float32", choose_tiling("softmax_fwd", 1000, 4), "sm_90a"
+        "l2_norm_fwd", "float32", choose_tiling(family().TILINGS, 1000, 4), "sm_90a"
     )
-    assert "--ops l2_norm " in command
+    assert "--ops l2_norm_fwd " in command
     assert {p.values[0] for p in grid("l2_norm")} == {"cpu", "gpu"}
+
+
+def test_the_new_op_has_its_own_tilings_and_rule():
+    """Its tiling family and its kernel-or-XLA rule are its own: declared in its folder,
+    taken by the tiling choice and by the default lowering for CUDA (a single short row on
+    XLA's formulation; a lowering that launched the kernel would need its cubin)."""
+    assert choose_tiling(family().TILINGS, 1000, 4).tag == "t32x128c1v4"
+    x = jax.ShapeDtypeStruct((1, family().SMALL), jnp.float32)
+    assert "custom_call" not in build.lower_for_cuda(l2_norm, (x,), path="auto")
+
+
+@pytest.mark.cutlass
+def test_the_new_rule_keeps_the_kernel_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUACK_JAX_CACHE", str(tmp_path))
+    for shape in ((2, family().SMALL), (1, family().SMALL + 1)):
+        x = jax.ShapeDtypeStruct(shape, jnp.float32)
+        assert "custom_call" in build.lower_for_cuda(l2_norm, (x,), path="auto"), shape
 
 
 def test_bench_runs_the_new_op(capsys):

@@ -19,6 +19,7 @@ from .._primitive import (
 from .config import NormBackward
 from .operands import centred, fold, normalised, parameter_grads, split, vmapped
 from .rules import backward_on_xla
+from .tilings import backward_family
 
 # operands: dy, h, [weight], [dh], rstd, [mean]; results: dx, [dweight], [dbias]
 
@@ -62,9 +63,8 @@ def _backward_tiling(rms, dy, h, *, weight, dh, weight_grad, bias_grad):
     ``row_tiling``)."""
     widest = max(dy.dtype.itemsize, h.dtype.itemsize)
     staged = dy.dtype.itemsize + h.dtype.itemsize * (1 + dh)
-    family = f"{'rms' if rms else 'layer'}_norm_bwd"
     live = backward_live(weight, dh, weight_grad, bias_grad)
-    return row_tiling(h, family, widest, live, staged)
+    return row_tiling(h, backward_family(rms), widest, live, staged)
 
 
 def _backward_kernel(target: Target, avals_in, avals_out, *, rms, weight_offset, **flags):

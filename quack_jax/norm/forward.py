@@ -16,10 +16,10 @@ from .._primitive import (
     persistent_call,
     row_tiling,
 )
-from .._tiling import one_wave
 from .config import NormForward
 from .operands import fold, split, vmapped
 from .rules import forward_on_xla
+from .tilings import forward_family
 
 # operands: x, [residual], [weight], [bias]; results: y, [h], rstd, [mean]
 
@@ -70,10 +70,10 @@ def _forward_kernel(
     x = avals_in[0]
     _, w, b = split(avals_in[1:], flags["residual"], flags["weight"], flags["bias"])
     widest = max(x.dtype.itemsize, avals_out[0].dtype.itemsize)
-    family = f"{'rms' if rms else 'layer'}_norm_fwd"
+    family = forward_family(rms)
     # one wave prefetches the next row blocks through shared memory; a grid of one CTA
     # per row block loads its block straight into registers
-    wave = grid_is_one_wave(one_wave(family, x.shape[-1], x.dtype.itemsize))
+    wave = grid_is_one_wave(family.one_wave(x.shape[-1], x.dtype.itemsize))
     staged = x.dtype.itemsize * (1 + flags["residual"]) if wave else None
     tiling = row_tiling(x, family, widest, forward_live(**flags), staged)
     if tiling is None:

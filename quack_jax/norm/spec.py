@@ -14,6 +14,7 @@ from .backward import backward_live
 from .config import NormBackward, NormForward
 from .forward import forward_live
 from .rules import QK_NORM_SIZES
+from .tilings import backward_family, forward_family
 
 # QK-norm's rows (tokens x heads) of each head size, for ``--latency``
 QK_NORM_SHAPES = tuple((m, n) for n in QK_NORM_SIZES for m in (32768, 262144, 2097152))
@@ -109,7 +110,7 @@ def _benchmark(name: str, rms: bool):
         tuned=[
             Tuned(
                 "fwd",
-                f"{name}_fwd",
+                forward_family(rms),
                 2,
                 quack_fn,
                 lambda *args: args[:-1],
@@ -119,7 +120,7 @@ def _benchmark(name: str, rms: bool):
             ),
             Tuned(
                 "bwd",
-                f"{name}_bwd",
+                backward_family(rms),
                 3,
                 backward,
                 backward_operands,

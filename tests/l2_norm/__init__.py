@@ -16,6 +16,17 @@ import jax.numpy as jnp
 from quack_jax._configs import KernelConfig, scalar
 from quack_jax._primitive import RowwisePrimitive, compute_dtype, kernel_call, row_tiling
 from quack_jax._spec import FWD_COLUMNS, Benchmark, Case, OpSpec, Shapes
+from quack_jax._tiling import K, TilingFamily
+
+# its own launch shapes: 32 threads a row, 128 a CTA, up to 64K elements a row (longer
+# rows spread over more threads and CTAs until they fit; see ``choose_tiling``)
+TILINGS = TilingFamily("l2_norm", {2: [(64 * K, (32, 128, 1))], 4: [(64 * K, (32, 128, 1))]})
+# its own rule: a single row of up to 256 elements runs on XLA (a kernel launch costs more)
+SMALL = 256
+
+
+def on_xla(m, n, itemsize, *, eps):
+    return m == 1 and n <= SMALL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +44,14 @@ def _reference(x, *, eps):
 
 
 def _kernel(target, avals_in, avals_out, *, eps):
-    tiling = row_tiling(avals_in[0], "softmax_fwd")
+    tiling = row_tiling(avals_in[0], TILINGS)
     config = L2NormConfig(eps=eps)
     return tiling and kernel_call(target, config, avals_in[0], tiling, avals_out)
 
 
-_forward = RowwisePrimitive("toy_l2_norm", kernel=_kernel, reference=_reference)
+_forward = RowwisePrimitive(
+    "toy_l2_norm", kernel=_kernel, reference=_reference, prefers_reference=on_xla
+)
 
 
 def l2_norm(x, eps: float = 1e-6):
