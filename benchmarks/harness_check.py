@@ -78,7 +78,7 @@ def jax_ops():
     import jax.numpy as jnp
 
     import quack_jax
-    from quack_jax.bench import CALLS_PER_SAMPLE, time_per_call
+    from quack_jax._timing import CALLS_PER_SAMPLE, time_per_call
 
     fns = {
         "softmax": (lambda x, labels, w: quack_jax.softmax(x), 2),

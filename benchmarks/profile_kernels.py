@@ -85,7 +85,8 @@ def jax_functions(folder: pathlib.Path, *only):
     import jax
 
     from quack_jax._tiling import ITEMSIZE
-    from quack_jax.bench import benchmarks, make_inputs
+    from quack_jax._timing import make_inputs
+    from quack_jax.bench import benchmarks
 
     ops = benchmarks()
     for op_name, r in bench_rows(folder, *only):

@@ -20,7 +20,7 @@ import json
 import pathlib
 
 from quack_jax import bench
-from quack_jax.bench import bar_panel, save_figure
+from quack_jax._report import bar_panel, save_figure
 
 OPS = tuple(bench.benchmarks())
 CASES = ("fwd", "fwd_bwd")

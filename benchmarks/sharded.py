@@ -31,7 +31,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import quack_jax
 from quack_jax import bench
+from quack_jax._report import tbps
 from quack_jax._tiling import ITEMSIZE
+from quack_jax._timing import describe, kernel_device, make_inputs, time_per_call
 
 ROW_SHAPES = {"softmax": (16384, 4096), "rms_norm": (16384, 4096), "cross_entropy": (4096, 128256)}
 VOCAB_ROWS, VOCAB = 8192, 128256
@@ -66,10 +68,10 @@ def _placed(arguments, mesh, by_rows: bool):
 def _time(op, case, m, n, dtype, mesh=None, by_rows=True, reps=7):
     """Seconds per call of ``case`` on (m, n) inputs: on one GPU, or split on ``mesh``."""
     count = bench.input_count(op, m * n * ITEMSIZE[dtype] // (1 if mesh is None else 2))
-    arguments = [a[: case.args] for a in bench.make_inputs(op.arguments(m, n, dtype), count, m)]
+    arguments = [a[: case.args] for a in make_inputs(op.arguments(m, n, dtype), count, m)]
     if mesh is not None:
         arguments = _placed(arguments, mesh, by_rows)
-    seconds = bench.time_per_call(case.fn, arguments, reps, require_kernel=True)
+    seconds = time_per_call(case.fn, arguments, reps, require_kernel=True)
     del arguments
     return seconds
 
@@ -92,7 +94,7 @@ def rows_table(mesh, dtypes, reps):
 def vocab_check(mesh):
     """The split loss and gradient against one GPU's, on one (8192, 128256) bf16 array."""
     op = bench.benchmarks()["cross_entropy"]
-    logits, labels, _ = bench.make_inputs(op.arguments(VOCAB_ROWS, VOCAB, "bfloat16"), 1, 7)[0]
+    logits, labels, _ = make_inputs(op.arguments(VOCAB_ROWS, VOCAB, "bfloat16"), 1, 7)[0]
     f = jax.jit(jax.value_and_grad(quack_jax.cross_entropy))
     split_loss, split_grad = f(*_placed([(logits, labels)], mesh, False)[0])
     loss, grad = f(logits, labels)
@@ -130,7 +132,7 @@ def report(rows, vocab, check) -> str:
     for r in rows:
         lines.append(
             f"| {r['op']} | {r['dtype']} | {r['m']}x{r['n']} | {r['case']} | "
-            f"{bench.tbps(r['bytes'], r['one']):.2f} | {bench.tbps(r['bytes'], r['two']):.2f} | "
+            f"{tbps(r['bytes'], r['one']):.2f} | {tbps(r['bytes'], r['two']):.2f} | "
             f"{r['one'] / r['two']:.3f} |"
         )
     lines += [
@@ -145,8 +147,8 @@ def report(rows, vocab, check) -> str:
         lines.append(
             f"| {r['case']} | {1e3 * r['one']:.3f} | {1e3 * r['split']:.3f} | "
             f"{r['one'] / r['split']:.2f}x | {1e3 * r['split_double']:.3f} | "
-            f"{bench.tbps(r['bytes'], r['one']):.2f} / "
-            f"{bench.tbps(r['bytes'], r['split_double']):.2f} |"
+            f"{tbps(r['bytes'], r['one']):.2f} / "
+            f"{tbps(r['bytes'], r['split_double']):.2f} |"
         )
     lines += ["", f"Split against one GPU on the same array: {check}"]
     return "\n".join(lines)
@@ -160,14 +162,14 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--dtypes", nargs="+", default=bench.DTYPES, choices=bench.DTYPES)
     args = parser.parse_args(argv)
-    if len(jax.devices()) < 2 or not bench.kernel_device():
+    if len(jax.devices()) < 2 or not kernel_device():
         parser.error("needs two GPUs that run quack_jax kernels")
     mesh = jax.make_mesh((2,), ("g",), devices=jax.devices()[:2])
     check = vocab_check(mesh)
     print(check, flush=True)
     rows = rows_table(mesh, args.dtypes, args.reps)
     vocab = vocab_table(mesh, args.reps)
-    header = f"sharded, {datetime.date.today()}, 2 x {bench.describe()}, jax {jax.__version__}\n\n"
+    header = f"sharded, {datetime.date.today()}, 2 x {describe()}, jax {jax.__version__}\n\n"
     text = header + report(rows, vocab, check)
     print(text, flush=True)
     if args.out:

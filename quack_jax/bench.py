@@ -84,30 +84,35 @@ import json
 import math
 import os
 import pathlib
-import statistics
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 
-from quack_jax import _cache, _ffi, _registry
-from quack_jax._primitive import REFERENCE_FASTER, kernel_arch, lowering_path, persistent_grid
+from quack_jax import _cache, _registry, _timing
+from quack_jax._lowering import lowering, lowering_path
+from quack_jax._primitive import REFERENCE_FASTER
+from quack_jax._report import (
+    LATENCY_NOTE,
+    LATENCY_PASSES,
+    SPEEDUP_NOTE,
+    latency_columns,
+    plot,
+    table,
+    tbps,
+    tuning_table,
+)
 from quack_jax._spec import Benchmark, Case, Tuned
-from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling
+from quack_jax._tiling import ITEMSIZE, RowTiling
 from quack_jax.build import lower_for_cuda
 
 DTYPES = ["bfloat16", "float32"]
 TARGET_BYTES = 10e9
 TUNE_BYTES = 2e9  # tuning ranks candidates, so it can afford a larger dispatch share
 MEMORY_BUDGET = 60e9
-CALLS_PER_SAMPLE = 3
 LATENCY_INPUTS = 32  # ops per timed call with --latency
 LATENCY_WARMUP = 0.05  # seconds of calls before a shape's --latency timings (clocks up)
 LATENCY_REPS = 15  # --latency's default samples: a few microseconds per op are noisy
 LATENCY_QUICK_ROWS = (1, 64)  # --latency --quick: these rows at the op's first row length
-# --latency's passes (the keys quack_<pass>, xla_<pass> of the op's cases) and their labels
-LATENCY_PASSES = {"fwd": "fwd", "fwd_bwd": "fwd+bwd"}
 # the quack_jax functions' lowerings (see ``lowering_path``), by the suffix of their entry
 LATENCY_PATHS = {"kernel": "_kernel", "reference": "_reference", "auto": ""}
 
@@ -121,107 +126,13 @@ def benchmarks() -> dict[str, Benchmark]:
     }
 
 
-# -- timing -----------------------------------------------------------------------------
-
-
-def kernel_device() -> bool:
-    return kernel_arch(jax.devices()[0]) is not None
-
-
-def describe() -> str:
-    device = jax.devices()[0]
-    if kernel_device():
-        return f"{device.device_kind}: quack_jax runs its CuTe-DSL kernels (sm_90a)"
-    return (
-        f"{device.platform.upper()} ({device.device_kind}): no CUDA GPU with compute "
-        "capability 9.0, so quack_jax ran its XLA fallback here and its columns time XLA"
-    )
-
-
-def chained(fn):
-    """A function of K argument tuples that applies ``fn`` to each in turn: op k's
-    arguments pass through an optimization barrier with op k-1's result, so op k cannot
-    start before op k-1 ends, and XLA can neither fuse the K ops nor run them at once."""
-
-    def f(inputs):
-        results = []
-        for args in inputs:
-            if results:
-                args, _ = jax.lax.optimization_barrier((args, results[-1]))
-            results.append(fn(*args))
-        return results
-
-    return f
-
-
-def lower_calls(fn, inputs, chain=False):
-    """The jitted function that applies ``fn`` to each of the K argument tuples in
-    ``inputs``, independently or with ``chain`` one after the other (see ``chained``),
-    lowered (a ``lowering_path`` around this call applies)."""
-    f = jax.jit(chained(fn) if chain else lambda inputs: [fn(*args) for args in inputs])
-    return f.lower(inputs)
-
-
-def time_compiled(programs, reps, warmup=0.0):
-    """Median seconds per application of each compiled function in ``programs``, as
-    (compiled, its K argument tuples), over its K tuples, after calls for ``warmup``
-    seconds (at least one each). Their samples alternate, so a drift affects all alike."""
-    end = time.perf_counter() + warmup
-    for compiled, inputs in programs:
-        jax.block_until_ready(compiled(inputs))
-    while time.perf_counter() < end:
-        for compiled, inputs in programs:
-            jax.block_until_ready(compiled(inputs))
-    times = [[] for _ in programs]
-    for _ in range(reps):
-        for (compiled, inputs), samples in zip(programs, times, strict=True):
-            start = time.perf_counter()
-            for _ in range(CALLS_PER_SAMPLE):
-                out = compiled(inputs)
-            jax.block_until_ready(out)
-            samples.append(time.perf_counter() - start)
-            del out
-    return [
-        statistics.median(samples) / (CALLS_PER_SAMPLE * len(inputs))
-        for samples, (_, inputs) in zip(times, programs, strict=True)
-    ]
-
-
-def check_kernel(compiled):
-    """Refuses a quack_jax function compiled without a kernel (it would time XLA)."""
-    # the compiled program: with sharded inputs the kernels appear once XLA partitions it
-    if _ffi.TARGET not in compiled.as_text():
-        raise RuntimeError("the quack_jax path compiled without a kernel: refusing to time XLA")
-
-
-def time_per_call(fn, inputs, reps, require_kernel=False):
-    """Median seconds per application of ``fn`` over the K argument tuples in ``inputs``."""
-    compiled = lower_calls(fn, inputs).compile()
-    if require_kernel:
-        check_kernel(compiled)
-    return time_compiled([(compiled, inputs)], reps)[0]
-
-
-def make_inputs(arguments, count, seed):
-    """``count`` tuples of distinct random arrays, one per (shape, dtype): standard normal,
-    or for (shape, "int32", high) integers in [0, high)."""
-    keys = jax.random.split(jax.random.key(seed), (count, len(arguments)))
-
-    def draw(k, shape, dtype, *high):
-        if high:
-            return jax.random.randint(k, shape, 0, high[0], jnp.int32)
-        return jax.random.normal(k, shape, jnp.float32).astype(dtype)
-
-    return [tuple(draw(k, *a) for k, a in zip(row, arguments, strict=True)) for row in keys]
-
-
 def input_count(op: Benchmark, size: int, quick: bool = False, latency: bool = False) -> int:
     """How many distinct inputs of ``size`` bytes (an (M, N) array) one timed call takes:
     about TARGET_BYTES moved, within the memory budget; 10 for ``quick``; LATENCY_INPUTS
     for ``latency``, within the budget; 1 where quack_jax runs its XLA fallback (no kernel
     launches to amortise, and XLA against XLA needs no more than a smoke test's accuracy),
     2 for ``latency`` (a chain)."""
-    if not kernel_device():
+    if not _timing.kernel_device():
         return 2 if latency else 1
     most = MEMORY_BUDGET // (op.footprint * size)
     if latency:
@@ -238,9 +149,8 @@ def tune_tiling(t: Tuned, shape, tiling, tag, one_wave, inputs, reps, results):
     dtype, m, n = shape
     size = m * n * ITEMSIZE[dtype]
     try:
-        grid = persistent_grid(one_wave)
-        with override_tiling(t.family, n, ITEMSIZE[dtype], tiling), grid:
-            results[tag] = time_per_call(t.fn, inputs, reps, require_kernel=True)
+        with lowering(tilings={(t.family, n, ITEMSIZE[dtype]): tiling}, one_wave=one_wave):
+            results[tag] = _timing.time_per_call(t.fn, inputs, reps, require_kernel=True)
     except RuntimeError as error:  # at lowering (the occupancy query) or at run time
         print(f"tune {dtype} {m}x{n} {t.name} {tag} failed: {error}"[:300], flush=True)
         return
@@ -266,19 +176,19 @@ def bench_shape(op: Benchmark, m, n, dtype, reps, tune, quick):
     e = ITEMSIZE[dtype]
     size = m * n * e
     count = input_count(op, size, quick)
-    on_gpu = kernel_device()
+    on_gpu = _timing.kernel_device()
     row = {"dtype": dtype, "m": m, "n": n, "k": count}
-    words = make_inputs([((m, n * e // 4), "float32")], count, seed=m)
-    row["copy"] = time_per_call(lambda x: x * 2, words, reps)
+    words = _timing.make_inputs([((m, n * e // 4), "float32")], count, seed=m)
+    row["copy"] = _timing.time_per_call(lambda x: x * 2, words, reps)
     del words
-    arguments = make_inputs(op.arguments(m, n, dtype), count, seed=m * n)
+    arguments = _timing.make_inputs(op.arguments(m, n, dtype), count, seed=m * n)
     for case in op.cases:
         inputs = [a[: case.args] for a in arguments]
         # the kernels at every shape, also where the default lowering picks XLA's path
         path = lowering_path("kernel") if case.kernel else contextlib.nullcontext()
         try:
             with path:
-                row[case.key] = time_per_call(case.fn, inputs, reps, case.kernel and on_gpu)
+                row[case.key] = _timing.time_per_call(case.fn, inputs, reps, case.kernel and on_gpu)
         except _cache.MissingKernelError as error:  # not packaged, and no CuTe-DSL here
             row[case.key] = None
             print(f"  {case.label} {dtype} {m}x{n} not timed: {error}", flush=True)
@@ -319,7 +229,7 @@ def bench_latency(op: Benchmark, shapes, reps) -> list[dict]:
     path is read then), each distinct program compiled in a thread as it comes (XLA
     compiles in parallel); then each shape's programs are timed, their samples alternating.
     """
-    on_gpu = kernel_device()
+    on_gpu = _timing.kernel_device()
     rows, programs = [], []  # per shape, by text: [compiled, args, keys, must launch kernels]
     with concurrent.futures.ThreadPoolExecutor(os.cpu_count()) as pool:
         for i, (dtype, m, n) in enumerate(shapes, 1):
@@ -335,7 +245,7 @@ def bench_latency(op: Benchmark, shapes, reps) -> list[dict]:
                     row[case.key + suffix] = None
                     try:
                         with lowering_path(path):
-                            lowered = lower_calls(case.fn, inputs, chain=True)
+                            lowered = _timing.lower_calls(case.fn, inputs, chain=True)
                     except _cache.MissingKernelError as error:  # no cubin, and no CuTe-DSL
                         print(f"{progress} {case.label} ({path}) not timed: {error}", flush=True)
                         continue
@@ -348,153 +258,18 @@ def bench_latency(op: Benchmark, shapes, reps) -> list[dict]:
         dtype, m, n = row["dtype"], row["m"], row["n"]
         progress = f"  {op.name} {dtype} {m}x{n} ({i} of {len(shapes)})"
         print(f"{progress}: timing", file=sys.stderr, flush=True)
-        arguments = make_inputs(op.arguments(m, n, dtype), row["k"], seed=m * n)
+        arguments = _timing.make_inputs(op.arguments(m, n, dtype), row["k"], seed=m * n)
         timed = []
         for compiled, args, _, require_kernel in shape_programs.values():
             if require_kernel:
-                check_kernel(compiled.result())
+                _timing.check_kernel(compiled.result())
             timed.append((compiled.result(), [a[:args] for a in arguments]))
-        seconds = time_compiled(timed, reps, LATENCY_WARMUP)
+        seconds = _timing.time_compiled(timed, reps, LATENCY_WARMUP)
         for t, (_, _, keys, _) in zip(seconds, shape_programs.values(), strict=True):
             row |= dict.fromkeys(keys, t)
         del arguments, timed
         shape_programs.clear()  # the executables
     return rows
-
-
-# -- reports ----------------------------------------------------------------------------
-
-LATENCY_NOTE = (
-    "Microseconds per op, each a chain of K ops in one call (one after the other, as the "
-    "layers of a decode step). quack_jax: as lowered by default (kernels, except at the "
-    "shapes of _primitive.REFERENCE_FASTER); kernel, reference: its kernels, its XLA "
-    "reference forced (lowering_path)."
-)
-SPEEDUP_NOTE = " Speedup: XLA's time over quack_jax's (default); below 1.00x quack_jax is slower."
-
-
-def tbps(nbytes, seconds):
-    return nbytes / seconds / 1e12
-
-
-def rate(op: Benchmark, r, key):
-    """TB/s of the row's entry ``key``, or None if it was not timed."""
-    if r.get(key) is None:
-        return None
-    return tbps(op.passes[key] * r["m"] * r["n"] * ITEMSIZE[r["dtype"]], r[key])
-
-
-def cell(op: Benchmark, r, kind, *keys) -> str:
-    if kind == "tilings":
-        return f"{r['tiling_fwd']}, {r['tiling_bwd']}"
-    if kind == "inputs":
-        return str(r["k"])
-    if kind == "us":  # microseconds
-        seconds = r.get(keys[0])
-        return "-" if seconds is None else f"{seconds * 1e6:.{2 if seconds < 1e-4 else 0}f}"
-    values = [rate(op, r, key) for key in keys]
-    if None in values:
-        return "-"
-    if kind == "rate":
-        return f"{values[0]:.3g}"
-    if kind == "speedup":  # the ratio of the times: the first key is the slower one
-        return f"{values[1] / values[0]:.2f}x"
-    return f"{values[0] / values[1]:.0%}"  # fraction
-
-
-def latency_columns(op: Benchmark) -> list[tuple]:
-    """--latency's columns: per pass, quack_jax's µs by default, with the kernels and with
-    the reference forced, XLA's µs, and XLA's time over quack_jax's (by default)."""
-    keys = {case.key for case in latency_cases(op)}
-    columns = [("K", "inputs")]
-    for p, label in LATENCY_PASSES.items():
-        if f"quack_{p}" in keys:
-            columns += [
-                (f"quack_jax {label} µs", "us", f"quack_{p}"),
-                (f"kernel {label} µs", "us", f"quack_{p}_kernel"),
-                (f"reference {label} µs", "us", f"quack_{p}_reference"),
-            ]
-        if f"xla_{p}" in keys:
-            columns.append((f"XLA {label} µs", "us", f"xla_{p}"))
-        if {f"quack_{p}", f"xla_{p}"} <= keys:
-            columns.append((f"{label} speedup", "speedup", f"xla_{p}", f"quack_{p}"))
-    return columns
-
-
-def table(op: Benchmark, rows, fallback: bool, columns=None) -> str:
-    """The op's table (``columns``, by default the op's); with ``fallback`` (quack_jax ran
-    its XLA fallback, so its columns time XLA too) without the speedup columns."""
-    columns = [c for c in columns or op.columns if not (fallback and c[1] == "speedup")]
-    headers = ["dtype", "M x N"] + [c[0] for c in columns]
-    lines = ["| " + " | ".join(headers) + " |", "| --- " * len(headers) + "|"]
-    for r in rows:
-        cells = [r["dtype"], f"{r['m']} x {r['n']}"] + [cell(op, r, *c[1:]) for c in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def tuning_table(op: Benchmark, rows) -> str:
-    lines = ["| dtype | M x N | pass | default | TB/s | best | TB/s |", "| --- " * 7 + "|"]
-    for r in rows:
-        size = r["m"] * r["n"] * ITEMSIZE[r["dtype"]]
-        for t in op.tuned:
-            results = r.get(f"tune_{t.name}")
-            if not results:
-                continue
-            default = next(iter(results))  # the first candidate: the launched tiling
-            best = min(results, key=results.get)
-            lines.append(
-                f"| {r['dtype']} | {r['m']} x {r['n']} | {t.name} | {default} "
-                f"| {tbps(t.passes * size, results[default]):.2f} | {best} "
-                f"| {tbps(t.passes * size, results[best]):.2f} |"
-            )
-    return "\n".join(lines)
-
-
-def bar_panel(ax, rows, series, copy):
-    """One plot panel: a group of bars per row (``series`` maps a label to a TB/s per row)
-    and the copy ceiling as a dashed line."""
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series.items()):
-        offset = (i - (len(series) - 1) / 2) * width
-        heights = [math.nan if v is None else v for v in values]  # None: not timed
-        ax.bar([j + offset for j in range(len(rows))], heights, width, label=label)
-    ax.plot(range(len(rows)), copy, "k--", marker="_", label="copy (ceiling)")
-    ax.set_xticks(range(len(rows)), [f"{r['m']}x{r['n']}" for r in rows], rotation=20)
-    ax.set_ylabel("TB/s")
-
-
-def save_figure(fig, legend_from, path, title):
-    """A legend (the panel ``legend_from``'s) below the panels, the title above; saved, closed."""
-    import matplotlib.pyplot as plt
-
-    handles, labels = legend_from.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def plot(op: Benchmark, rows, path, title):
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no {path.name}", flush=True)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(DTYPES), figsize=(7 * len(DTYPES), 4.5), squeeze=False)
-    for ax, dtype in zip(axes[0], DTYPES, strict=True):
-        sel = [r for r in rows if r["dtype"] == dtype]
-        if not sel:
-            continue
-        series = {case.label: [rate(op, r, case.key) for r in sel] for case in op.cases}
-        bar_panel(ax, sel, series, [rate(op, r, "copy") for r in sel])
-        ax.set_title(f"{op.name}, {dtype}")
-    save_figure(fig, next(ax for ax in axes[0] if ax.has_data()), path, title)
 
 
 def main(argv=None):
@@ -530,12 +305,12 @@ def main(argv=None):
     )
     parser.add_argument("--sizes", nargs="+", type=int, help="only shapes with these N")
     args = parser.parse_args(argv)
-    if args.tune and (args.latency or not kernel_device()):
+    if args.tune and (args.latency or not _timing.kernel_device()):
         parser.error("--tune times kernels, so it needs a GPU that runs them, and no --latency")
     args.dtypes = args.dtypes or (["bfloat16"] if args.latency else DTYPES)
     args.reps = args.reps or (LATENCY_REPS if args.latency else 7)
-    fallback = not kernel_device()
-    print(describe(), flush=True)
+    fallback = not _timing.kernel_device()
+    print(_timing.describe(), flush=True)
     if not args.quick and jax.devices()[0].platform == "cpu" and args.latency:
         print(
             "The latency shapes are sized for a GPU: on a CPU the large ones take minutes "
@@ -574,7 +349,9 @@ def main(argv=None):
                 print(progress, file=sys.stderr, flush=True)
                 rows.append(bench_shape(op, m, n, dtype, args.reps, args.tune, args.quick))
         title, stem = (f"{name} latency", f"{name}_latency") if args.latency else (name, name)
-        header = f"{title}, {datetime.date.today()}, {describe()}, jax {jax.__version__}\n\n"
+        header = (
+            f"{title}, {datetime.date.today()}, {_timing.describe()}, jax {jax.__version__}\n\n"
+        )
         if args.latency:
             header += LATENCY_NOTE + ("" if fallback else SPEEDUP_NOTE) + "\n\n"
         if fallback:
@@ -588,7 +365,7 @@ def main(argv=None):
             (args.out / f"{stem}.md").write_text(report + "\n")
             meta = {
                 "date": str(datetime.date.today()),
-                "device": describe(),
+                "device": _timing.describe(),
                 "jax": jax.__version__,
                 "options": {k: v for k, v in vars(args).items() if k != "out"},
             }
@@ -599,7 +376,7 @@ def main(argv=None):
             rows_json = json.dumps({"meta": meta, "rows": rows}, indent=1)
             (args.out / f"{stem}.json").write_text(rows_json)
             if not args.latency:
-                plot(op, rows, args.out / f"{name}.png", describe())
+                plot(op, rows, args.out / f"{name}.png", _timing.describe(), DTYPES)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import quack_jax
-from quack_jax import bench
+from quack_jax import _timing, bench
 from quack_jax._spec import Benchmark
 from quack_jax.norm.spec import QK_NORM_SHAPES
 
@@ -79,14 +79,14 @@ def test_report_beside_quack(bench_dir, monkeypatch):
 
 def test_bench_skips_kernels_it_cannot_get(monkeypatch, tmp_path, capsys):
     """A wheel without CuTe-DSL lacks the unpackaged configs: those cells stay empty."""
-    timed = bench.time_per_call
+    timed = _timing.time_per_call
 
     def time_per_call(fn, inputs, reps, require_kernel=False):
         if fn is quack_jax.softmax:
             raise quack_jax.MissingKernelError("no cubin for softmax_fwd (n=1024)")
         return timed(fn, inputs, reps, require_kernel)
 
-    monkeypatch.setattr(bench, "time_per_call", time_per_call)
+    monkeypatch.setattr(_timing, "time_per_call", time_per_call)
     args = ["--quick", "--ops", "softmax", "--dtypes", "float32", "--reps", "1"]
     bench.main([*args, "--out", str(tmp_path)])
     out, err = capsys.readouterr()
@@ -192,17 +192,17 @@ def test_chained_ops_wait_for_each_other():
     def fn(x, w):
         return jax.nn.softmax(x * w)
 
-    lowered = bench.lower_calls(fn, inputs, chain=True)
+    lowered = _timing.lower_calls(fn, inputs, chain=True)
     assert lowered.as_text().count("stablehlo.optimization_barrier") == 2
-    assert "optimization_barrier" not in bench.lower_calls(fn, inputs).as_text()
-    jaxpr = jax.make_jaxpr(bench.chained(fn))(inputs).jaxpr
+    assert "optimization_barrier" not in _timing.lower_calls(fn, inputs).as_text()
+    jaxpr = jax.make_jaxpr(_timing.chained(fn))(inputs).jaxpr
     barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
     # barrier k takes op k+1's arguments and op k's result (the function's k-th output)
     assert [b.invars[-1] for b in barriers] == jaxpr.outvars[:2]
     compiled = lowered.compile()
     for got, want in zip(compiled(inputs), [fn(*args) for args in inputs], strict=True):
         assert jnp.array_equal(got, want)
-    assert 0 < bench.time_compiled([(compiled, inputs)], 1)[0] < 1
+    assert 0 < _timing.time_compiled([(compiled, inputs)], 1)[0] < 1
 
 
 @pytest.mark.parametrize("name", sorted(bench.benchmarks()))
@@ -211,7 +211,7 @@ def test_every_tuned_kernel_runs_on_its_candidates(name):
     runs on its prepared operands and gives finite results, and has candidate tilings."""
     op = bench.benchmarks()[name]
     n = op.quick_shapes[-1][1]
-    arguments = bench.make_inputs(op.arguments(4, n, "float32"), 1, seed=0)[0]
+    arguments = _timing.make_inputs(op.arguments(4, n, "float32"), 1, seed=0)[0]
     for t in op.tuned:
         for one_wave in t.grids(n, 4):
             assert t.candidates(n, 4, None, one_wave), t.name
