@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import importlib
 import os
 import pathlib
@@ -39,9 +38,9 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 import jax  # noqa: E402
 
 from quack_jax import _cache, _ffi, bench  # noqa: E402
-from quack_jax._primitive import persistent_grid  # noqa: E402
+from quack_jax._lowering import lowering  # noqa: E402
 from quack_jax._registry import specs  # noqa: E402
-from quack_jax._tiling import ITEMSIZE, RowTiling, override_tiling  # noqa: E402
+from quack_jax._tiling import ITEMSIZE, RowTiling, TilingFamily  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 
 ARCH = "sm_90a"
@@ -53,6 +52,7 @@ CASE_MODULES = (
     "test_token_logprobs",
     "test_linear_cross_entropy",
     "test_sharding",
+    "test_contract",
     "test_fuzz",
     "test_registry",
     "test_export",
@@ -66,9 +66,9 @@ class Lowering(NamedTuple):
     label: str
     fn: Callable
     args: tuple  # jax.ShapeDtypeStruct
-    tiling: tuple[str, int, int, RowTiling] | None = None  # override_tiling's arguments
+    tiling: tuple[TilingFamily, int, int, RowTiling] | None = None  # (family, n, itemsize, tiling)
     needs_kernel: bool = True  # lowering without a kernel launch is an error
-    one_wave: bool | None = None  # persistent_grid's argument (None: each family's rule)
+    one_wave: bool | None = None  # the grid (None: each family's rule; see _lowering)
 
 
 def _benchmark_shapes(ops=BENCH_OPS, tuned: bool = False):
@@ -159,8 +159,8 @@ def lower_for_cuda(lowerings, what: str, arch: str = ARCH, verbose: bool = True)
 
 def _lower(low: Lowering, arch: str) -> int:
     """Lower one function for CUDA; returns how many kernel launches it holds."""
-    grid = contextlib.nullcontext() if low.one_wave is None else persistent_grid(low.one_wave)
-    with override_tiling(*low.tiling) if low.tiling else contextlib.nullcontext(), grid:
+    tilings = {low.tiling[:3]: low.tiling[3]} if low.tiling else {}
+    with lowering(tilings=tilings, one_wave=low.one_wave):
         text = lower_fn(low.fn, low.args, arch, any_rows=True)
     launches = text.count(f"custom_call @{_ffi.TARGET}")
     if low.needs_kernel and not launches:

@@ -108,6 +108,16 @@ def run(backend, f, *args, launches):
     return lowered.compile()(*args)
 
 
+def run_launching(backend, f, *args, kernels=True):
+    """Compile ``f``, check it launches quack_jax kernels on the "gpu" backend (some, or
+    none without ``kernels``) and none on the "cpu" one, run it: for programs whose
+    number of launches is the transforms' business (vmap, scan, checkpoint)."""
+    lowered = jax.jit(f).lower(*args)
+    count = lowered.as_text().count(f"custom_call @{_ffi.TARGET}")
+    assert (count > 0) == (backend == "gpu" and kernels), f"{count} kernel launches"
+    return lowered.compile()(*args)
+
+
 def sharding_losses(n):
     """name -> loss of (x, weight, labels) for rows of length ``n``: every public op and its
     gradient, with the options that change which kernels run (the sharding tests)."""

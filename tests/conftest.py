@@ -29,7 +29,8 @@ else:
 import jax
 import pytest
 
-from quack_jax._primitive import kernel_arch, lowering_path
+from quack_jax._lowering import lowering_path
+from quack_jax._primitive import kernel_arch
 
 
 def kernel_devices():

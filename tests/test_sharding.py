@@ -4,7 +4,10 @@ as the kernels), "gpu" on two sm_90 GPUs (the kernels). Rows split across device
 reduced axis split (softmax and the norms combine per-row statistics; cross-entropy runs
 its kernels on each device's slice of the vocabulary, with all its options), shard_map,
 an uneven split, explicit sharding and the sharding guide's train step: each against the
-same function on one device, and no rows moved between the devices.
+same function on one device, and no rows moved between the devices. Every op (the
+adapters of ``ops.py``), without its options and with them, with its rows split under
+jit and inside shard_map, against its float64 reference. linear_cross_entropy with the
+rows, the vocabulary or both split (on the host devices), against its float64 reference.
 
 With the rows split, each GPU runs the kernels on its rows: the same bits as on one GPU
 (the weight gradient is summed in another order). With the reduced axis split, XLA on
@@ -20,8 +23,17 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import ops
 import pytest
-from checks import assert_close, backend_param, backends, key_for, sharding_losses
+import test_linear_cross_entropy as lce
+from checks import (
+    assert_close,
+    backend_param,
+    backends,
+    key_for,
+    run_launching,
+    sharding_losses,
+)
 from conftest import kernel_devices
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -344,6 +356,158 @@ def test_guide_sharded_train_step():
     assert_close(loss, ref, np.abs(ref), "bfloat16", "the guide's loss")
 
 
+# -- every op's sharded properties: the adapters of ops.py ---------------------------------
+
+CONTRACT = [
+    pytest.param(b, op, marks=[pytest.mark.gpu] if b == "gpu" else [], id=f"{b}-{op.name}")
+    for b in ("cpu", "gpu")
+    for op in ops.OPS
+]
+CONTRACT_ROWS = 16
+CONTRACT_MESH = {"cpu": "8", "gpu": "2"}
+
+
+def contract_args(backend, op, what):
+    """The op's arguments (numpy) and the mesh: the per-row ones split over its axis."""
+    mesh = make_mesh(backend, CONTRACT_MESH[backend])
+    a = op.draw((CONTRACT_ROWS,), op.n[backend], "float32", key_for(what, op.name))
+    specs = {k: P("a") if k in op.rows else P() for k in a}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in a.items()}
+    return mesh, a, specs, placed
+
+
+def both(op):
+    return lambda a: [ops.results(op, options)(a) for options in (False, True)]
+
+
+@pytest.mark.parametrize(("backend", "op"), CONTRACT)
+def test_rows_sharded_jit_matches_the_reference(backend, op):
+    """The rows split across the devices under jit: the float64 reference's values and
+    gradients, and the per-row results split as the rows."""
+    _, a, _, placed = contract_args(backend, op, "sharded jit")
+    got = run_launching(backend, both(op), placed)
+    shared = {f"d{p}" for p in op.params}
+    for options, results in zip((False, True), got, strict=True):
+        ops.check(op, results, op.reference(a, options), f"rows split options={options}")
+        for k, v in results.items():
+            if v.ndim and k not in shared:
+                assert full(v.sharding.spec, v.ndim)[0] == "a", (k, v.sharding)
+
+
+@pytest.mark.parametrize(("backend", "op"), CONTRACT)
+def test_shard_map_matches_the_reference(backend, op):
+    """The op on each device's rows inside shard_map: each device's results those of the
+    float64 reference of its rows; the gradients of the shared arguments (which
+    shard_map sums over the devices) and the scalar losses (summed here) the sums of the
+    devices'."""
+    mesh, a, specs, placed = contract_args(backend, op, "shard_map")
+    local = {k: v[: CONTRACT_ROWS // mesh.size] if k in op.rows else v for k, v in a.items()}
+    shapes = jax.eval_shape(both(op), ops.structs(local))
+    shared = {f"d{p}" for p in op.params}
+    out_specs = [
+        {k: P() if k in shared or not s.shape else P("a") for k, s in r.items()} for r in shapes
+    ]
+
+    def per_device(a):
+        return [
+            {k: jax.lax.psum(v, "a") if not v.shape else v for k, v in r.items()}
+            for r in both(op)(a)
+        ]
+
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=(specs,), out_specs=out_specs)
+    got = run_launching(backend, f, placed)
+    share = CONTRACT_ROWS // mesh.size
+    parts = [slice(i * share, (i + 1) * share) for i in range(mesh.size)]
+    for options, results in zip((False, True), got, strict=True):
+        want = ops.reference_of_parts(op, a, options, parts, "concat")
+        ops.check(op, results, want, f"shard_map options={options}")
+
+
+# -- linear_cross_entropy split over rows and vocabulary (CPU) -------------------------------
+
+# mesh shape and axes; the specs of h and the weight; whether the weight is (V, d)
+LCE_DATA_MODEL = ((2, 4), ("data", "model"))
+LCE_LAYOUTS = {
+    "vocab-8": ((8,), ("m",), P(), P(None, "m"), False),
+    "rows-8": ((8,), ("d",), P("d"), P(), False),
+    "2x4": (*LCE_DATA_MODEL, P("data"), P(None, "model"), False),
+    "2x4-transposed": (*LCE_DATA_MODEL, P("data"), P("model", None), True),
+}
+LCE_OPTIONS = {
+    "mean": dict(reduction="mean"),
+    "none": dict(reduction="none"),
+    "smoothing-zloss-lse": dict(
+        reduction="mean", label_smoothing=0.1, z_loss=0.01, return_lse=True
+    ),
+}
+
+
+def count_all_reduces_of_no_logits(text, rows, d, v_local, chunk):
+    """Assert that every all-reduce in the compiled ``text`` moves scalars, per-row
+    vectors (of at most ``rows``, perhaps with a trailing 1), (at most chunk, d) blocks
+    of dh, or the weight gradient's local slice (either layout) or the bias gradient's:
+    never a (rows, V) block. Returns how many there are."""
+    reduces = 0
+    for line in text.splitlines():
+        found = re.search(r"= (.*?) all-reduce(-start)?\(", line)
+        if not found:
+            continue
+        reduces += 1
+        for dims in re.findall(r"\w+\[([\d,]*)\]", found.group(1)):
+            shape = tuple(int(n) for n in dims.split(",") if n)
+            per_row = [n for n in shape if n != 1]
+            assert (
+                (len(per_row) <= 1 and sum(per_row) <= rows)
+                or (len(shape) == 2 and shape[0] <= chunk and shape[1] == d)
+                or shape in ((d, v_local), (v_local, d), (v_local,))
+            ), line
+    return reduces
+
+
+# each option on at least three layouts, on meshes of Explicit axes (make_mesh's
+# default) but one of Auto axes
+LCE_CASES = [
+    ("vocab-8", "mean", AxisType.Explicit),
+    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit),
+    ("rows-8", "none", AxisType.Explicit),
+    ("rows-8", "smoothing-zloss-lse", AxisType.Explicit),
+    ("2x4", "mean", AxisType.Explicit),
+    ("2x4", "none", AxisType.Explicit),
+    ("2x4", "smoothing-zloss-lse", AxisType.Explicit),
+    ("2x4-transposed", "none", AxisType.Explicit),
+    ("2x4-transposed", "mean", AxisType.Auto),
+]
+
+
+@pytest.mark.parametrize("layout,option,axis_type", LCE_CASES)
+def test_linear_cross_entropy_sharded_matches_float64_without_gathering(layout, option, axis_type):
+    """linear_cross_entropy with the rows, the vocabulary or both split on the host
+    devices (either weight layout): float64's values and gradients, the gradients split
+    as their arguments, and no logits gathered or all-reduced."""
+    shape, axes, h_spec, w_spec, transpose = LCE_LAYOUTS[layout]
+    mesh = jax.make_mesh(
+        shape, axes, axis_types=(axis_type,) * len(axes), devices=jax.devices("cpu")[:8]
+    )
+    t, d, v, chunk = 64, lce.HIDDEN, lce.V, 12
+    opts = dict(LCE_OPTIONS[option], transpose_weight=transpose, chunk_size=chunk)
+    args = lce.draw(t, d, v, transpose=transpose, ignored=0.1)
+    vocab_axis = w_spec[0 if transpose else 1] if len(w_spec) else None
+    row_axis = h_spec[0] if len(h_spec) else None
+    rows = P(row_axis)
+    specs = (h_spec, w_spec, P(vocab_axis), rows, rows, rows)
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs, strict=True)]
+    f = jax.jit(lce.loss_and_grads(**opts))
+    text = f.lower(*sharded).compile().as_text()
+    assert not [c for c in GATHERS if c in text], layout
+    local_rows = t // (mesh.shape[row_axis] if row_axis else 1)
+    v_local = v // (mesh.shape[vocab_axis] if vocab_axis else 1)
+    assert count_all_reduces_of_no_logits(text, t, d, v_local, min(chunk, local_rows)) > 0
+    out, grads = f(*sharded)
+    lce.assert_matches(out, grads, args, opts)
+    for k, x in zip(lce.ALL, sharded, strict=False):
+        assert grads[k].sharding.is_equivalent_to(x.sharding, x.ndim), k
+
+
 # rows and row length that 8 host devices or two GPUs do not divide
 UNEVEN = {"cpu": ("8", (6,), 100), "gpu": ("2", (5,), 1001)}
 
@@ -373,8 +537,12 @@ def prebuild_cases():
     split tests' shapes (splitting the rows, in jit or shard_map, keeps the kernels' n)
     and at the uneven test's (which gathers), softmax alone, the vocab-parallel test's
     losses, and cross-entropy on each GPU's half of the vocabulary (a per-row loss, with
-    the softcap or not), which the split of the vocabulary runs."""
+    the softcap or not), which the split of the vocabulary runs; every op's results on
+    the rows of one device, which the contract tests run."""
     spec = jax.ShapeDtypeStruct
+    for op in ops.OPS:
+        a = op.draw((CONTRACT_ROWS // 2,), op.n["gpu"], "float32", key_for("prebuild"))
+        yield both(op), (ops.structs(a),)
     _, lead, n = UNEVEN["gpu"]
     losses = [(op, (*LEAD["gpu"], size("gpu", op)), d) for op in OPS for d in DTYPES]
     losses += [(op, (*lead, n), "float32") for op in OPS]
