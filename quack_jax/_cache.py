@@ -129,15 +129,27 @@ def dsl_version() -> str | None:
 _source_hash: str | None = None
 
 
+def source_files() -> list[pathlib.Path]:
+    """Everything that decides a cubin's contents: the kernels, the tiling, and the kernel
+    configurations, whose fields the kernels read (their variants' options and their
+    scalar lists): ``_configs.py`` and each family's ``config.py``."""
+    spec = importlib.util.find_spec("quack_jax.kernels")
+    kernel_dir = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    package = pathlib.Path(__file__).parent
+    return [
+        *sorted(kernel_dir.glob("*.py")),
+        package / "_tiling.py",
+        package / "_configs.py",
+        *sorted(package.glob("*/config.py")),
+    ]
+
+
 def source_hash() -> str:
-    """Hash of everything that decides a cubin's contents: the kernels and the tiling."""
+    """Hash of the names and bytes of ``source_files``."""
     global _source_hash
     if _source_hash is None:
-        spec = importlib.util.find_spec("quack_jax.kernels")
-        kernel_dir = pathlib.Path(next(iter(spec.submodule_search_locations)))
-        files = [*sorted(kernel_dir.glob("*.py")), pathlib.Path(__file__).with_name("_tiling.py")]
         h = hashlib.sha256()
-        for f in files:
+        for f in source_files():
             h.update(f.name.encode() + b"\0" + f.read_bytes())
         _source_hash = h.hexdigest()[:16]
     return _source_hash

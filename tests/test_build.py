@@ -2,8 +2,10 @@
 benchmarks use compiles to an sm_90a cubin; the cache; the build command; the FFI
 library; the wheel; and the lowering that launches a kernel when compiling for a CUDA device."""
 
+import ast
 import base64
 import collections
+import importlib.util
 import itertools
 import json
 import os
@@ -117,6 +119,23 @@ def test_the_tuner_builds_from_each_tuned_kernels_own_tiling(monkeypatch):
         assert ours[0].tiling[3] == tiling
         assert {low.tiling[3].vec for low in ours} == {4}
     assert len(set(launched.values())) == len(launched)
+
+
+def test_the_cache_key_covers_every_module_the_kernels_import():
+    """Each quack_jax module that a kernel module imports (the tiling, the kernel
+    configurations) is hashed into the cubins' key, so that an edit to it cannot serve a
+    cubin compiled before it."""
+    hashed = {p.resolve() for p in _cache.source_files()}
+    imported = set()
+    for kernel in (ROOT / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(kernel.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quack_jax"):
+                for alias in node.names:
+                    spec = importlib.util.find_spec(node.module)
+                    if spec.submodule_search_locations:  # a package: the name is a module
+                        spec = importlib.util.find_spec(f"{node.module}.{alias.name}")
+                    imported.add(pathlib.Path(spec.origin).resolve())
+    assert imported and imported <= hashed, imported - hashed
 
 
 def test_the_packaged_build_removes_entries_of_other_sources(cache, monkeypatch):
