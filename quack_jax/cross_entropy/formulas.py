@@ -49,11 +49,11 @@ def coefficients(labels, n, options: CrossEntropyOptions, lse, g, g_lse=0.0, ent
     cotangent g_h of the entropy h, also d (a, b, c, d)."""
     ignored = labels == options.ignore_index
     outside = ~ignored & ((labels < 0) | (labels >= n))
-    smoothing, z_loss = options.label_smoothing, options.z_loss
+    label_smoothing, z_loss = options.label_smoothing, options.z_loss
     g = jnp.where(ignored, 0.0, g)
     a = g + g_lse + (jnp.where(g == 0, 0.0, 2.0 * z_loss * g * lse) if z_loss else 0.0)
-    b = g * (1.0 - smoothing)
-    c = jnp.where(outside & (g != 0), jnp.nan, g * (smoothing / n))
+    b = g * (1.0 - label_smoothing)
+    c = jnp.where(outside & (g != 0), jnp.nan, g * (label_smoothing / n))
     if entropy is None:
         return a, b, c
     # dh/dz = -p * (u - (logsum - h)), u = z - shift
@@ -72,12 +72,12 @@ def row_loss(shift, logsum, target, mean, labels, n, options: CrossEntropyOption
     """The kernel's loss of each row from its statistics, target logit and ``mean()`` of
     its (softcapped) logits; 0 where the label is ignored, NaN where it is outside [0, n).
     The logits enter only as differences from shift, which are exact."""
-    smoothing, z_loss = options.label_smoothing, options.z_loss
-    loss = logsum + (1.0 - smoothing) * (shift - target)
+    label_smoothing, z_loss = options.label_smoothing, options.z_loss
+    loss = logsum + (1.0 - label_smoothing) * (shift - target)
     if z_loss:
         loss = loss + z_loss * (shift + logsum) ** 2
-    if smoothing:
-        loss = loss + smoothing * (shift - mean())
+    if label_smoothing:
+        loss = loss + label_smoothing * (shift - mean())
     inside = (labels >= 0) & (labels < n)
     return jnp.where(labels == options.ignore_index, 0.0, jnp.where(inside, loss, jnp.nan))
 

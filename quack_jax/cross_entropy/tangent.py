@@ -28,12 +28,12 @@ def reference_tangent(t, logits, labels, shift, logsum, *h, options, entropy, ro
     here = labels - row.start(width)
     held = (here >= 0) & (here < width)
     t_target = row.sum(jnp.where(held, pick(tx, here), 0.0)[..., None])[..., 0]
-    smoothing, z_loss = options.label_smoothing, options.z_loss
-    t_loss = t_lse - (1.0 - smoothing) * t_target
+    label_smoothing, z_loss = options.label_smoothing, options.z_loss
+    t_loss = t_lse - (1.0 - label_smoothing) * t_target
     if z_loss:
         t_loss = t_loss + 2.0 * z_loss * (shift + logsum) * t_lse
-    if smoothing:
-        t_loss = t_loss - smoothing * row.mean(tx)[..., 0]
+    if label_smoothing:
+        t_loss = t_loss - label_smoothing * row.mean(tx)[..., 0]
     inside = (labels >= 0) & (labels < width * row.count)
     ignored = labels == options.ignore_index
     t_loss = jnp.where(ignored, 0.0, jnp.where(inside, t_loss, jnp.nan))
