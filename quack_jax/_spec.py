@@ -20,13 +20,21 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """The grid an op's tests run on one backend: every (rows, row length, dtype), and
-    the row lengths of the special-value cases."""
+    """The row lengths an op's tests run on one backend: the grid of every (rows, row
+    length, dtype), the special-value cases' row lengths, and ``others``, those of the
+    single tests beyond them (sharded rows, every option mix, odd vocabularies). The
+    gpu tests launch only kernels that the family's ``lowerings`` build at ``lengths``."""
 
     rows: tuple[int, ...]
     sizes: tuple[int, ...]
     dtypes: tuple[str, ...] = DTYPES
     special: tuple[int, ...] = ()
+    others: tuple[int, ...] = ()
+
+    @property
+    def lengths(self) -> list[int]:
+        """Every row length the tests run, once."""
+        return sorted({*self.sizes, *self.special, *self.others})
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # each spec is its own: hashed by identity
@@ -43,6 +51,17 @@ class OpSpec:
     tests: dict[str, Shapes]
     # the op's benchmarks (``python -m quack_jax.bench``), made when the benchmark runs
     benchmarks: Callable[[], list[Benchmark]] | None = None
+
+    def test_lowerings(self, backend: str = "gpu"):
+        """(op, dtype, n, fn, args) for every function whose lowering builds the kernels
+        that the backend's tests launch: ``lowerings`` of each op at each dtype and row
+        length of its test shapes."""
+        shapes = self.tests[backend]
+        for op in self.ops:
+            for dtype in shapes.dtypes:
+                for n in shapes.lengths:
+                    for fn, args in self.lowerings(op, dtype, n, False):
+                        yield op, dtype, n, fn, args
 
 
 # -- how an op is benchmarked (``python -m quack_jax.bench``) ----------------------------

@@ -3,7 +3,8 @@ values (normal draws at several scales, NaN, +-inf, huge and tiny magnitudes, -i
 ignored and out-of-range labels) and each op is compared with a float64 reference
 (``checks.assert_close``): the values, NaN and infinities where the reference has them,
 and the gradient on rows whose inputs are finite. The "cpu" backend draws row lengths
-1-300; the "gpu" one draws the row lengths whose kernels ``prebuild_cases()`` lists.
+1-300; the "gpu" one draws row lengths at which each family's SPEC builds the kernels of
+every mix drawn.
 """
 
 import itertools
@@ -18,22 +19,18 @@ from test_cross_entropy import reference_rows
 from test_norm import jax64_grads, np_h, np_norm, np_stats
 
 import quack_jax
+from quack_jax._registry import specs
+from quack_jax.norm.spec import MIX_SIZES, OPERAND_MIXES
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
 
 DTYPES = ("float32", "bfloat16", "float16")
-# the GPU runs draw row lengths from these, whose kernels prebuild_cases() lists
+# the GPU runs draw row lengths from these: the norms' among those at which their SPEC
+# builds every operand mix (``norm.spec.MIX_SIZES``), the others' among their test lengths
 GPU_SIZES = {"softmax": (1, 7, 100, 1024, 5000), "norm": (7, 1000, 4096), "ce": (7, 1000)}
 CE_DTYPES = {"cpu": DTYPES, "gpu": ("float32", "bfloat16")}
 MAX_LEAD = 5  # the most rows of each of the (one or two) leading axes drawn
-NORM_OPTIONS = [
-    dict(weight=w, bias=b, residual=r, prenorm=p, out=o)
-    for w, b, r, p, o in itertools.product(
-        (None, "float32", "x"), (None, "float32", "x"), (False, True), (False, True), (None, "f32")
-    )
-    if (r or not p) and (b is None or w == b)
-]
 CE_OPTIONS = [
     dict(reduction=r, label_smoothing=s, z_loss=z, logit_softcap=c, return_lse=lse)
     for r, s, z, c, lse in itertools.product(
@@ -111,20 +108,18 @@ def softmax_program(log):
     return program
 
 
-def norm_program(rms, options):
+def norm_program(rms, mix):
     fn = quack_jax.rms_norm if rms else quack_jax.layer_norm
-    out_dtype = jnp.float32 if options["out"] else None
 
     def program(x, w, b, r, dy, dh):
         def f(x, w, b):
             params = (w,) if rms else (w, b)
-            return fn(
-                x, *params, eps=1e-5, residual=r, prenorm=options["prenorm"], out_dtype=out_dtype
-            )
+            options = dict(prenorm=mix.prenorm, weight_offset=mix.offset, out_dtype=mix.out)
+            return fn(x, *params, eps=mix.eps, residual=r, **options)
 
         out, vjp = jax.vjp(f, x, w, b)
-        y, h = out if options["prenorm"] else (out, None)
-        return y, h, *vjp((dy, dh) if options["prenorm"] else dy)
+        y, h = out if mix.prenorm else (out, None)
+        return y, h, *vjp((dy, dh) if mix.prenorm else dy)
 
     return program
 
@@ -162,7 +157,7 @@ def check_softmax(x, dtype, log, seed):
     assert_matches(np.asarray(dx)[rows], np.asarray(ref_dx)[rows], dtype, "dx", mag[rows])
 
 
-def check_norm(x, dtype, rms, options, seed):
+def check_norm(x, dtype, rms, mix, seed):
     rng = np.random.default_rng(seed)
     n = x.shape[-1]
 
@@ -174,21 +169,23 @@ def check_norm(x, dtype, rms, options, seed):
         )
 
     xj = jnp.asarray(x, dtype)
-    w, b = vector(options["weight"], 1.0), None if rms else vector(options["bias"], 0.0)
-    r = jnp.asarray(rng.standard_normal(x.shape), dtype) if options["residual"] else None
-    y_dtype = "float32" if options["out"] else dtype
+    w, b = vector(mix.weight, 1.0), None if rms else vector(mix.bias, 0.0)
+    r = jnp.asarray(rng.standard_normal(x.shape), dtype) if mix.residual else None
+    y_dtype = mix.out or dtype
     dy = jnp.asarray(rng.standard_normal(x.shape), y_dtype)
-    dh = jnp.asarray(rng.standard_normal(x.shape), dtype) if options["prenorm"] else None
-    y, h, dx, dw, db = jax.jit(norm_program(rms, options))(xj, w, b, r, dy, dh)
+    dh = jnp.asarray(rng.standard_normal(x.shape), dtype) if mix.prenorm else None
+    y, h, dx, dw, db = jax.jit(norm_program(rms, mix))(xj, w, b, r, dy, dh)
     h_ref = np_h(np.asarray(xj), None if r is None else np.asarray(r))
-    ref_y = np_norm(h_ref, w, b, rms=rms, eps=1e-5, offset=0.0)
+    ref_y = np_norm(h_ref, w, b, rms=rms, eps=mix.eps, offset=mix.offset)
     assert y.dtype == y_dtype
     assert_matches(y, ref_y, dtype, "y")
     if h is not None:
         np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h_ref, np.float32))
-    ref_dx, ref_dw, ref_db = jax64_grads(h_ref, w, b, dy, dh, rms=rms, eps=1e-5, offset=0.0)
+    ref_dx, ref_dw, ref_db = jax64_grads(
+        h_ref, w, b, dy, dh, rms=rms, eps=mix.eps, offset=mix.offset
+    )
     rows = finite_rows(np.asarray(h_ref, np.float64)) & np.isfinite(ref_y).all(axis=-1)
-    xhat, rstd = np_stats(h_ref, rms, 1e-5)  # dx's terms cancel: judge it by their size
+    xhat, rstd = np_stats(h_ref, rms, mix.eps)  # dx's terms cancel: judge it by their size
     g = np.abs(np.asarray(dy, np.float64) * (1.0 if w is None else np.asarray(w, np.float64)))
     mag = rstd * (g + np.abs(xhat) * np.mean(g * np.abs(xhat), axis=-1, keepdims=True))
     mag = mag + rstd * np.mean(g, axis=-1, keepdims=True) + (0.0 if dh is None else np.abs(dh))
@@ -287,11 +284,11 @@ def test_norms(backend):
         backend,
         arrays(sizes(backend, "norm"), DTYPES, NORM_HUGE),
         st.booleans(),
-        st.sampled_from(NORM_OPTIONS),
+        st.sampled_from(OPERAND_MIXES),
         st.integers(0, 99),
     )
-    def norms(data, rms, options, seed):
-        check_norm(*data, rms, options, seed)
+    def norms(data, rms, mix, seed):
+        check_norm(*data, rms, mix, seed)
 
     norms()
 
@@ -310,22 +307,9 @@ def test_cross_entropy(backend):
     cross_entropy()
 
 
-def prebuild_cases():
-    """Every program the GPU tests can draw, at each row length and dtype they draw."""
-    spec = jax.ShapeDtypeStruct
-    for dtype, n in itertools.product(DTYPES, GPU_SIZES["softmax"]):
-        for log in (False, True):
-            yield softmax_program(log), (spec((3, n), dtype),) * 2
-    for dtype, n, rms, options in itertools.product(
-        DTYPES, GPU_SIZES["norm"], (True, False), NORM_OPTIONS
-    ):
-        if rms and options["bias"] is not None:
-            continue
-        row, vec = spec((3, n), dtype), spec((n,), dtype)
-        w = {None: None, "x": vec, "float32": spec((n,), "float32")}
-        y = spec((3, n), "float32") if options["out"] else row
-        args = (row, w[options["weight"]], None if rms else w[options["bias"]])
-        args += (row if options["residual"] else None, y, row if options["prenorm"] else None)
-        yield norm_program(rms, options), args
-    for dtype, n, options in itertools.product(CE_DTYPES["gpu"], GPU_SIZES["ce"], CE_OPTIONS):
-        yield ce_program(options), (spec((3, n), dtype), spec((3,), "int32"))
+def test_gpu_draws_are_built():
+    """The GPU runs draw only row lengths whose kernels the families' SPECs build."""
+    assert set(GPU_SIZES["norm"]) <= set(MIX_SIZES)
+    for family, op in (("softmax", "softmax"), ("ce", "cross_entropy")):
+        assert set(GPU_SIZES[family]) <= set(specs()[op].tests["gpu"].lengths)
+    assert set(CE_DTYPES["gpu"]) <= set(specs()["cross_entropy"].tests["gpu"].dtypes)

@@ -9,13 +9,14 @@ CuTe-DSL, no GPU needed). What every op has (jit, vmap, checkpoint, scan, float6
 rows and one row, bad arguments) is tested in ``test_contract.py``, sharding in
 ``test_sharding.py``.
 
-The weight and bias gradients must be the same on every run. ``prebuild_cases`` lists
-the functions the gpu tests launch kernels from, for ``benchmarks/prebuild.py``.
+The weight and bias gradients must be the same on every run. The gpu tests run the
+operand mixes at the row lengths whose kernels the family's SPEC builds
+(``quack_jax.norm.spec``: its named mixes at every test length, every operand mix at
+``MIX_SIZES``).
 """
 
 import dataclasses
 import functools
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -27,53 +28,15 @@ import quack_jax
 from quack_jax import _cache, _ffi, _primitive
 from quack_jax._registry import specs as op_specs
 from quack_jax.norm import backward as norm_backward
+from quack_jax.norm import spec as norm_spec
+from quack_jax.norm.spec import MIXES, Mix, forward, forward_backward, structs
 
 OPS = {"rms_norm": quack_jax.rms_norm, "layer_norm": quack_jax.layer_norm}
 EPS = 1e-5
-# Sizes at which every operand mix is tested on the GPU, in rows of MIX_ROWS.
-NORM_VARIANT_SIZES = (7, 1000, 4096, 65536)
-MIX_SIZES = {"cpu": (257,), "gpu": NORM_VARIANT_SIZES}
+# row lengths at which every named mix is tested, in rows of MIX_ROWS
+MIX_SIZES = {"cpu": (257,), "gpu": norm_spec.MIX_SIZES}
 MIX_ROWS = {"cpu": 3, "gpu": 1000}
 SDS = jax.ShapeDtypeStruct
-
-
-@dataclasses.dataclass(frozen=True)
-class Mix:
-    """A call's operands and options: weight and bias dtypes ("x": x's; rms_norm takes no
-    bias), a residual, prenorm, weight_offset, eps and out_dtype (None: x's)."""
-
-    weight: str | None = None
-    bias: str | None = None
-    residual: bool = False
-    prenorm: bool = False
-    offset: float = 0.0
-    eps: float = EPS
-    out: str | None = None
-
-    def dtypes(self, op, dtype):
-        """The weight's, the bias's and y's dtypes for x of ``dtype``."""
-        weight = dtype if self.weight == "x" else self.weight
-        bias = None if op == "rms_norm" else dtype if self.bias == "x" else self.bias
-        return weight, bias, self.out or dtype
-
-
-MIXES = {
-    "plain": Mix(),
-    "weight_residual_prenorm": Mix(weight="x", residual=True, prenorm=True, offset=0.5),
-    "fp32_params_offset": Mix(weight="float32", bias="float32", offset=1.0),
-    "residual_fp32_out": Mix(weight="x", bias="x", residual=True, out="float32"),
-    "bias_residual_eps": Mix(bias="float32", residual=True, eps=0.5),
-    "mixed_params_prenorm_bf16_out": Mix(weight="float32", bias="x", prenorm=True, out="bfloat16"),
-    "all": Mix(
-        weight="float32",
-        bias="float32",
-        residual=True,
-        prenorm=True,
-        offset=1.0,
-        eps=1e-3,
-        out="float32",
-    ),
-}
 
 
 # -- the float64 reference ---------------------------------------------------------------
@@ -180,41 +143,6 @@ def norm(op, x, w=None, b=None, r=None, **kwargs):
     return OPS[op](x, *params, residual=r, **kwargs)
 
 
-def forward(op, mix):
-    """(x, weight, bias, residual) -> y, or (y, h) with prenorm."""
-
-    def f(x, w, b, r):
-        kwargs = dict(prenorm=mix.prenorm, weight_offset=mix.offset, out_dtype=mix.out)
-        return norm(op, x, w, b, r, eps=mix.eps, **kwargs)
-
-    return f
-
-
-def forward_backward(op, mix):
-    """(x, weight, bias, residual, dy, dh) -> (y or (y, h), (dx, dweight, dbias,
-    dresidual)) through ``jax.vjp``."""
-
-    def fn(x, w, b, r, dy, dh):
-        out, vjp = jax.vjp(forward(op, mix), x, w, b, r)
-        return out, vjp((dy, dh) if mix.prenorm else dy)
-
-    return fn
-
-
-def specs(op, shape, dtype, mix):
-    """Shape-dtype structs of (x, weight, bias, residual, dy, dh), None where absent."""
-    weight, bias, out = mix.dtypes(op, dtype)
-    row = SDS(shape, dtype)
-    return [
-        row,
-        None if weight is None else SDS(shape[-1:], weight),
-        None if bias is None else SDS(shape[-1:], bias),
-        row if mix.residual else None,
-        SDS(shape, out),
-        row if mix.prenorm else None,
-    ]
-
-
 def operands(backend, op, shape, dtype, mix, key):
     """Random (x, weight, bias, residual, dy, dh): x with a mean offset (it matters to
     LayerNorm), the weight about 1; the cotangents in y's and h's dtypes. Drawn by numpy
@@ -228,7 +156,7 @@ def operands(backend, op, shape, dtype, mix, key):
     return [
         None if s is None else jnp.asarray((shift + scale * normal(s.shape)).astype(s.dtype))
         for s, normal, (scale, shift) in zip(
-            specs(op, shape, dtype, mix), normals, scale_shift, strict=True
+            structs(op, shape, dtype, mix), normals, scale_shift, strict=True
         )
     ]
 
@@ -389,8 +317,8 @@ LEADING = (
     ((1000,), "float16", "weight_residual_prenorm"),
     ((4, 1), "bfloat16", "residual_fp32_out"),
     ((2, 3, 128), "float16", "all"),
-    ((2, 5, 300), "float32", "bias_residual_eps"),
-    ((2, 1, 5000), "bfloat16", "weight_residual_prenorm"),
+    ((2, 5, 1000), "float32", "bias_residual_eps"),
+    ((2, 1, 5120), "bfloat16", "weight_residual_prenorm"),
 )
 
 
@@ -440,11 +368,11 @@ def eps_norms(x, w):
 @pytest.mark.parametrize("backend", backends())
 def test_eps_is_added_inside_the_root(backend):
     """A constant row: y = (h - mean) * rsqrt(var + eps) exposes where eps goes."""
-    x, w = jnp.full((2, 64), 2.0, jnp.float32), jnp.full((64,), 3.0, jnp.float32)
+    x, w = jnp.full((2, 7), 2.0, jnp.float32), jnp.full((7,), 3.0, jnp.float32)
     rms, layer, scaled = run(backend, eps_norms, x, w, launches=3)
-    assert_close(rms, np.full((2, 64), 2 / 3), 2 / 3, "float32", "rms_norm")
+    assert_close(rms, np.full((2, 7), 2 / 3), 2 / 3, "float32", "rms_norm")
     np.testing.assert_array_equal(layer, 0.0)
-    assert_close(scaled, np.full((2, 64), 8 / 3), 8 / 3, "float32", "rms_norm with a weight")
+    assert_close(scaled, np.full((2, 7), 8 / 3), 8 / 3, "float32", "rms_norm with a weight")
 
 
 def rounded_residual(x, r):
@@ -455,12 +383,12 @@ def rounded_residual(x, r):
 def test_residual_sum_is_rounded_before_normalising(backend):
     """bfloat16: 256 + 1 rounds to 256, in the h returned and in the h normalised, as
     an unfused ``x + residual`` in bfloat16 would."""
-    x = jnp.asarray([[256.0, -256.0, 0.0, 0.0]], jnp.bfloat16)
-    r = jnp.asarray([[1.0, 0.0, 0.0, 0.0]], jnp.bfloat16)
+    x = jnp.asarray([[256.0, -256.0] + [0.0] * 5], jnp.bfloat16)
+    r = jnp.asarray([[1.0] + [0.0] * 6], jnp.bfloat16)
     y, h = run(backend, rounded_residual, x, r, launches=1)
-    np.testing.assert_array_equal(np.asarray(h, np.float32), [[256.0, -256.0, 0.0, 0.0]])
-    rms = np.sqrt((256.0**2 + 256.0**2) / 4)
-    ref = np.asarray([[256.0 / rms, -256.0 / rms, 0.0, 0.0]])
+    np.testing.assert_array_equal(np.asarray(h, np.float32), [[256.0, -256.0] + [0.0] * 5])
+    rms = np.sqrt((256.0**2 + 256.0**2) / 7)
+    ref = np.asarray([[256.0 / rms, -256.0 / rms] + [0.0] * 5])
     assert_close(y, ref, np.abs(ref), "float32", "y")
 
 
@@ -476,10 +404,10 @@ def constant_row(x, r, w, b, g):
 def test_layer_norm_gradient_of_a_constant_row_with_residual(backend):
     """bfloat16 256 + 1 rounds to the constant row 256 (xhat = 0), so y and dweight are
     0 and dx = rstd * (g - mean(g)) with rstd = 1 / sqrt(eps)."""
-    x = jnp.full((2, 64), 256.0, jnp.bfloat16)
-    r = jnp.full((2, 64), 1.0, jnp.bfloat16)
-    w, b = jnp.ones((64,), jnp.float32), jnp.zeros((64,), jnp.float32)
-    g = np.tile(np.linspace(-1.0, 1.0, 64, dtype=np.float32) ** 3 + 0.25, (2, 1))
+    x = jnp.full((2, 1000), 256.0, jnp.bfloat16)
+    r = jnp.full((2, 1000), 1.0, jnp.bfloat16)
+    w, b = jnp.ones((1000,), jnp.float32), jnp.zeros((1000,), jnp.float32)
+    g = np.tile(np.linspace(-1.0, 1.0, 1000, dtype=np.float32) ** 3 + 0.25, (2, 1))
     y, (dx, dr, dw, db) = run(backend, constant_row, x, r, w, b, g, launches=2)
     np.testing.assert_array_equal(y, 0.0)
     g64 = g.astype(np.float64)
@@ -757,8 +685,8 @@ def accepted_forms(x, w):
 def test_accepted_argument_forms(backend):
     key = np.asarray(jax.random.key_data(key_for("forms")))
     rng = np.random.default_rng(key)
-    x = np.asarray(rng.standard_normal((3, 8)), np.float32)
-    w = np.asarray(rng.standard_normal(8), np.float32)
+    x = np.asarray(rng.standard_normal((3, 7)), np.float32)
+    w = np.asarray(rng.standard_normal(7), np.float32)
     rms, layer = accepted_forms(x, w)
     assert rms.dtype == layer.dtype == jnp.bfloat16
     assert_close(rms, *reference("rms_norm", x, w, eps=0.25)["y"], "bfloat16", "rms_norm")
@@ -838,7 +766,7 @@ def test_persistent_grid_is_one_wave_of_the_devices_clusters(monkeypatch, n):
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_lowering_launches_forward_and_backward_kernels(cuda, op):
     mix = Mix(weight="x", bias="x")
-    args = specs(op, (4, 7, 1000), "bfloat16", mix)
+    args = structs(op, (4, 7, 1000), "bfloat16", mix)
     assert launches(forward(op, mix), *args[:4]) == 1
     assert {k[0] for k in _cache._memory} == {f"{op}_fwd"}
     assert launches(forward_backward(op, mix), *args) == 2
@@ -852,7 +780,7 @@ def test_cuda_lowering_sums_weight_gradients_in_the_kernel_at_few_rows(cuda, op)
     bias-) gradient partials itself: no reduction follows it. Over many, XLA sums them."""
     mix = Mix(weight="float32", bias="float32")
     for m, summed in ((norm_backward.SUM_CLUSTER_CTAS, True), (4096, False)):
-        args = specs(op, (m, ONE_ROW_A_CTA[op]), "bfloat16", mix)
+        args = structs(op, (m, ONE_ROW_A_CTA[op]), "bfloat16", mix)
         text = cuda_text(forward_backward(op, mix), *args)
         backward = cluster_dims(text)[-1]
         assert backward == (f"[{m}, 1, 1]" if summed else "1"), (m, backward)
@@ -881,45 +809,12 @@ def test_cuda_lowering_flag_combinations(cuda, op, mix):
     mix = LOWERING_MIXES[mix]
     f, fb, jvp = forward(op, mix), forward_backward(op, mix), jvp_of(op, mix)
     for shape, dtype, kernels in (((3, 5, 512), "bfloat16", 1), ((0, 512), "bfloat16", 0)):
-        args = specs(op, shape, dtype, mix)
+        args = structs(op, shape, dtype, mix)
         assert launches(f, *args[:4]) == kernels
         assert launches(fb, *args) == 2 * kernels
         assert launches(jvp, args[:4], args[:4]) == kernels
     with jax.enable_x64(True):
-        args = specs(op, (3, 512), "float64", mix)
+        args = structs(op, (3, 512), "float64", mix)
         assert launches(f, *args[:4]) == 0
         assert launches(fb, *args) == 0
         assert launches(jvp, args[:4], args[:4]) == 0
-
-
-# -- the kernels the gpu tests launch -----------------------------------------------------------
-
-
-def prebuild_cases():
-    """(fn, shape-dtype structs) for every function the gpu tests launch kernels from."""
-    gpu = op_specs()["rms_norm"].tests["gpu"]
-    cases = []  # (op, mix name, shape, dtype) of the tests that call run_cases
-    for p in grid_cases():
-        backend, m, n, dtype, *names = p.values
-        if backend == "gpu":
-            cases += [(op, name, (m, n), dtype) for op, name in zip(OPS, names, strict=True)]
-    for op, dtype, n, name in itertools.product(OPS, gpu.dtypes, MIX_SIZES["gpu"], MIXES):
-        cases.append((op, name, (MIX_ROWS["gpu"], n), dtype))
-    for op, n, dtype in itertools.product(OPS, gpu.special, gpu.dtypes):
-        cases.append((op, SPECIAL_MIX, (8, n), dtype))
-    cases += [(op, name, shape, dtype) for op in OPS for shape, dtype, name in LEADING]
-    cases += [case[:4] for sizes in SUMMING_CLUSTERS for case in summing_cases(*sizes)]
-    for op, name, shape, dtype in cases:
-        yield forward_backward(op, MIXES[name]), specs(op, shape, dtype, MIXES[name])
-
-    f32, bf16 = jnp.float32, jnp.bfloat16
-    yield eps_norms, (SDS((2, 64), f32), SDS((64,), f32))
-    yield rounded_residual, (SDS((1, 4), bf16),) * 2
-    yield constant_row, (SDS((2, 64), bf16),) * 2 + (SDS((64,), f32),) * 2 + (SDS((2, 64), f32),)
-    yield accepted_forms, (SDS((3, 8), f32), SDS((8,), f32))
-    for op in OPS:
-        for dtype, name in itertools.product(("float32", "bfloat16"), JVP_MIXES):
-            args = specs(op, JVP_SHAPE["gpu"], dtype, MIXES[name])[:4]
-            yield jvp_of(op, MIXES[name]), (args, args)
-        x, w, b = specs(op, JACOBIAN_SHAPE, "float32", Mix(weight="float32", bias="float32"))[:3]
-        yield jacobians(op), (x, (w,) if op == "rms_norm" else (w, b))
