@@ -7,8 +7,8 @@ either axis, and over leading axes without it), jax.checkpoint and lax.scan; wit
 arguments, each refused eagerly and under jit with an error that names the argument.
 The sharded properties (jit of split rows, shard_map) are in ``test_sharding.py``.
 
-``prebuild_cases`` lists the functions whose kernels the gpu tests launch, for
-``benchmarks/prebuild.py``.
+The gpu tests draw each op's inputs at a row length its family's SPEC builds
+(``test_gpu_lengths_are_built``).
 """
 
 import inspect
@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import BACKENDS, key_for, run_launching
-from ops import OPS, as_device, check, reference_of_parts, results, structs
+from ops import OPS, as_device, check, reference_of_parts, results
+
+from quack_jax._registry import specs
 
 ROWS = 5
 BATCH = (3, 4)  # vmap's examples (or scan's microbatches) and their rows
@@ -228,13 +230,9 @@ def test_bad_argument(backend, op, case):
         jax.jit(lambda t: op.fn(**t, **static)).trace(traced)
 
 
-def prebuild_cases():
-    """(fn, shape-dtype structs) for every function the gpu tests launch kernels from."""
+def test_gpu_lengths_are_built():
+    """Each op's gpu draws have a row length that its family's SPEC builds kernels for
+    (with every variant the suite launches): prebuild builds no others."""
+    found = specs()
     for op in OPS:
-        a = draw(op, "gpu", BATCH, "float32", "prebuild")
-        yield vmapped(op), (structs(a), structs(moved(op, a)))
-        yield scanned(op), (structs(a),)
-        for lead in ((ROWS,), (1,), ()):
-            a = draw(op, "gpu", lead, "float32", "prebuild")
-            yield both(op), (structs(a),)
-            yield both(op, remat=True), (structs(a),)
+        assert op.n["gpu"] in found[op.name].tests["gpu"].lengths, op.name

@@ -108,9 +108,9 @@ def reference(logits, labels, g, g_lse, opts):
 
 def cases():
     """(backend, m, n, dtype, k): the SPEC's grid with the option mixes in turn (on the
-    GPU also its tensors too large for a float64 copy), and every option mix at three
-    row lengths on the GPU (one warp per row, a cluster of odd-length rows, the
-    largest), one on the CPU."""
+    GPU also its tensors too large for a float64 copy, in float32 and bfloat16), and
+    every option mix at three row lengths on the GPU (one warp per row, a cluster of
+    odd-length rows, the largest), one on the CPU."""
     out = []
     for backend in BACKENDS:
         shapes = [p.values[1:] for p in grid("cross_entropy", backends=(backend,))]
@@ -118,7 +118,7 @@ def cases():
             tests = specs()["cross_entropy"].tests[backend]
             shapes += [
                 (m, n, d)
-                for m, n, d in itertools.product(tests.rows, tests.sizes, tests.dtypes)
+                for m, n, d in itertools.product(tests.rows, tests.sizes, OPTION_DTYPES)
                 if m * n > MAX_ELEMENTS
             ]
         mine = [(backend, *shape, i % len(OPTIONS)) for i, shape in enumerate(shapes)]
@@ -738,23 +738,8 @@ def test_cuda_lowering_launches(monkeypatch, tmp_path):
     assert launches(lambda x, y: quack_jax.cross_entropy(x, y)) == 1
 
 
-# row lengths and dtypes of the small gpu tests (forward mode also in bfloat16, the
-# float32 limit's rows of 3), which run no options or all of them (the kernels do not
-# depend on the values of z_loss and ignore_index, or on the number of rows)
-SMALL = [(SMALL_N, "float32"), (SMALL_N, "bfloat16"), (10, "float32"), (10, "float16")]
-SMALL += [(3, "float32")]
-
-
-def prebuild_cases():
-    """(fn, shape-dtype structs) whose lowering builds every kernel the gpu tests launch:
-    the per-row and the reduced losses' gradients at each row length, dtype and option
-    mix they run."""
-    runs = {(n, dtype, k) for backend, _, n, dtype, k in CASES if backend == "gpu"}
-    special = grid("cross_entropy", special=True, backends=("gpu",))
-    runs |= {(p.values[1], p.values[2], k) for p in special for k in SPECIAL_OPTIONS}
-    runs |= {(n, dtype, k) for n, dtype in SMALL for k in SPECIAL_OPTIONS}
-    for n, dtype, k in sorted(runs):
-        logits = jax.ShapeDtypeStruct((8, n), dtype)
-        labels, row = jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8,), jnp.float32)
-        yield loss_and_grad(OPTIONS[k]), (logits, labels, row, row)
-        yield mean_and_sum(OPTIONS[k]), (logits, labels)
+def test_small_gpu_lengths_are_built():
+    """The row lengths of the small tests (the optax alias's 3 classes, the label and
+    axis tests' 10, SMALL_N) are among those the SPEC's lowerings build for the gpu
+    tests: prebuild builds no others."""
+    assert {3, 10, SMALL_N} <= set(specs()["cross_entropy"].tests["gpu"].lengths)

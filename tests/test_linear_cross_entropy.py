@@ -17,7 +17,6 @@ bad arguments) is tested in ``test_contract.py``, sharding in ``test_sharding.py
 """
 
 import functools
-import itertools
 import re
 
 import jax
@@ -28,6 +27,7 @@ from checks import TOL, assert_close, backends, grid, key_for, run
 
 import quack_jax
 from quack_jax import _ffi
+from quack_jax._registry import specs
 
 IGNORE = -100
 D, CHUNK = 64, 128  # the grid's hidden size and chunk: T = 300 is two whole chunks and a part
@@ -594,40 +594,10 @@ def test_implementation_xla(backend, options):
 
 # -- the kernels the gpu tests launch ---------------------------------------------------------
 
-# every kernel variant: label smoothing or not, softcap or not; a "mean" loss's gradient
-# from the forward, per-row losses' forward and backward
-VARIANTS = [
-    dict(reduction=r, label_smoothing=s, logit_softcap=c)
-    for r, s, c in itertools.product(("mean", "none"), (0.0, 0.1), (None, 20.0))
-]
 
-
-def structs(t, d, v, dtype, transpose=False, with_bias=True):
-    """Shape-dtype structs of loss_and_grads' arguments."""
-    row = jax.ShapeDtypeStruct((t,), jnp.float32)
-    return (
-        jax.ShapeDtypeStruct((t, d), dtype),
-        jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype),
-        jax.ShapeDtypeStruct((v,), dtype) if with_bias else None,
-        jax.ShapeDtypeStruct((t,), jnp.int32),
-        row,
-        row,
-    )
-
-
-def prebuild_cases():
-    """(fn, shape-dtype structs) whose lowering builds every kernel the gpu tests launch:
-    the grid's cases, the in-place test's, and every kernel variant at the vocabularies
-    of the others, in float32 and bfloat16."""
-    for p in GRID:
-        backend, t, v, dtype, k = p.values
-        if backend == "gpu":
-            with_bias, transpose, opts = grid_case(k)
-            yield loss_and_grads(**opts), structs(t, D, v, dtype, transpose, with_bias)
-    for v, dtype, opts in itertools.product(
-        (V, SPECIAL_V["gpu"], MEMORY_V), ("float32", "bfloat16"), VARIANTS
-    ):
-        yield loss_and_grads(**opts), structs(8, 16, v, dtype)
-    for dtype, transpose in itertools.product(("bfloat16", "float32"), (False, True)):
-        f, args, _ = inplace_case(dtype, transpose)
-        yield f, args
+def test_gpu_vocabularies_are_built():
+    """The gpu tests' vocabularies beyond the grid (the smaller cases', the special
+    values', the memory tests', the in-place test's) are among those the SPEC's
+    lowerings build, with every kernel variant: prebuild builds no others."""
+    lengths = set(specs()["linear_cross_entropy"].tests["gpu"].lengths)
+    assert {V, SPECIAL_V["gpu"], MEMORY_V, inplace_case("float32", False)[2][2]} <= lengths

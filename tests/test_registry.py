@@ -91,14 +91,3 @@ def test_values_match_float64(backend, m, n, dtype):
         ref = x64 / jnp.sqrt(jnp.sum(x64 * x64, axis=-1, keepdims=True) + 1e-6)
         mag = jnp.abs(ref) + jnp.max(jnp.abs(ref), axis=-1, keepdims=True)
     assert_close(y, ref, mag, dtype, f"l2_norm {m}x{n}", x=x)
-
-
-def prebuild_cases():
-    """The gpu tests' kernels (prebuild registers the family, as the tests do)."""
-    register()
-    shapes = _registry.specs()["l2_norm"].tests["gpu"]
-    return [
-        (l2_norm, (jax.ShapeDtypeStruct((8, n), dtype),))
-        for n in shapes.sizes
-        for dtype in shapes.dtypes
-    ]

@@ -39,13 +39,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import quack_jax
 from quack_jax import _ffi
+from quack_jax._registry import specs
 
 P = PartitionSpec
 OPS = list(sharding_losses(1))
 GATHERS = ("all-gather", "all-to-all", "reduce-scatter", "collective-permute")
 MESHES = {"8": (8,), "2x4": (2, 4), "4x2": (4, 2), "2": (2,)}
-# the rows of each backend's inputs and their length: small on the CPU; on the GPU the
-# lengths whose kernels prebuild_cases() builds, by op name prefix
+# the rows of each backend's inputs and their length: small on the CPU; on the GPU
+# lengths that each family's SPEC builds (``test_gpu_lengths_are_built``), by op name
+# prefix
 LEAD = {"cpu": (8, 4), "gpu": (2000,)}
 SIZES = {"cpu": {"": 96}, "gpu": {"softmax": 5000, "norm": 4096, "cross_entropy": 32000}}
 # (backend, mesh, dtype) of the split tests: three meshes of the host devices, two GPUs
@@ -509,7 +511,7 @@ def test_linear_cross_entropy_sharded_matches_float64_without_gathering(layout, 
 
 
 # rows and row length that 8 host devices or two GPUs do not divide
-UNEVEN = {"cpu": ("8", (6,), 100), "gpu": ("2", (5,), 1001)}
+UNEVEN = {"cpu": ("8", (6,), 100), "gpu": ("2", (5,), 7)}  # (mesh, rows, n): odd on 2
 
 
 @pytest.mark.parametrize("split", ["rows", "reduced"])
@@ -532,33 +534,14 @@ def test_uneven_split_is_gathered_and_correct(backend, split):
         assert_matches(got, want, "float32", f"{op} uneven {split} split")
 
 
-def prebuild_cases():
-    """(fn, shape-dtype structs) for the kernels the gpu tests launch: each loss at the
-    split tests' shapes (splitting the rows, in jit or shard_map, keeps the kernels' n)
-    and at the uneven test's (which gathers), softmax alone, the vocab-parallel test's
-    losses, and cross-entropy on each GPU's half of the vocabulary (a per-row loss, with
-    the softcap or not), which the split of the vocabulary runs; every op's results on
-    the rows of one device, which the contract tests run."""
-    spec = jax.ShapeDtypeStruct
-    for op in ops.OPS:
-        a = op.draw((CONTRACT_ROWS // 2,), op.n["gpu"], "float32", key_for("prebuild"))
-        yield both(op), (ops.structs(a),)
-    _, lead, n = UNEVEN["gpu"]
-    losses = [(op, (*LEAD["gpu"], size("gpu", op)), d) for op in OPS for d in DTYPES]
-    losses += [(op, (*lead, n), "float32") for op in OPS]
-    for op, shape, dtype in losses:
-        args = spec(shape, dtype), spec(shape[-1:], "float32"), spec(shape[:-1], "int32")
-        yield jax.value_and_grad(sharding_losses(shape[-1])[op], argnums=(0, 1)), args
-    for dtype in DTYPES:
-        yield quack_jax.softmax, (spec((*LEAD["gpu"], SIZES["gpu"]["softmax"]), dtype),)
-    for options in VOCAB_OPTIONS.values():
-        args = spec((VOCAB_ROWS, VOCAB), "float32"), spec((VOCAB_ROWS,), "int32")
-        yield jax.value_and_grad(vocab_loss(options)), args
-    halves = [((*LEAD["gpu"], SIZES["gpu"]["cross_entropy"] // 2), d, None) for d in DTYPES]
-    halves += [((VOCAB_ROWS, VOCAB // 2), "float32", cap) for cap in (None, 5.0)]
-    for shape, dtype, cap in halves:
-
-        def per_row(x, labels, cap=cap):
-            return jnp.sum(quack_jax.cross_entropy(x, labels, reduction="none", logit_softcap=cap))
-
-        yield jax.value_and_grad(per_row), (spec(shape, dtype), spec(shape[:-1], "int32"))
+def test_gpu_lengths_are_built():
+    """The row lengths that the gpu tests run each op at, and those its kernels see on
+    each GPU (half of cross-entropy's vocabulary; the vocab-parallel tests' whole and
+    half), are among those its family's SPEC builds: prebuild builds no others."""
+    found = specs()
+    for op in OPS:
+        family = next(name for name in found if op.startswith(name))
+        lengths = set(found[family].tests["gpu"].lengths)
+        assert {size("gpu", op), UNEVEN["gpu"][2]} <= lengths, op
+    ce = set(found["cross_entropy"].tests["gpu"].lengths)
+    assert {SIZES["gpu"]["cross_entropy"] // 2, VOCAB, VOCAB // 2} <= ce

@@ -18,13 +18,14 @@ import pytest
 from checks import SEED, assert_close, backend_param, backends, key_for, run
 
 import quack_jax
+from quack_jax._registry import specs
 
 TEMPERATURES = (0.3, 1.0, 2.0)
 SOFTCAPS = (None, 20.0)
 IGNORE = -100
 SHAPES = {
     "cpu": [(0, 7), (1, 2), (7, 1000), (5, 4097)],
-    "gpu": [(0, 1000), (1, 1000), (7, 32000), (300, 4097), (64, 151936), (16, 262144)],
+    "gpu": [(0, 1000), (1, 1000), (7, 32000), (300, 50257), (64, 151936), (16, 262144)],
 }
 DTYPES = ("float32", "bfloat16", "float16")
 CASES = [
@@ -216,45 +217,13 @@ def test_cross_entropy_temperature(backend):
         assert_close(grad, want_grad, np.abs(want_grad) + 1e-3, "float32", "gradient")
 
 
-def prebuild_cases():
-    """(fn, shape-dtype structs) whose lowering builds every kernel the gpu tests launch."""
-    labels = jax.ShapeDtypeStruct((8,), jnp.int32)
-    row = jax.ShapeDtypeStruct((8,), jnp.float32)
-    sizes = {(n, dtype) for _, n in SHAPES["gpu"] for dtype in DTYPES} | {(1000, "float32")}
-    for (n, dtype), softcap in itertools.product(sorted(sizes), SOFTCAPS):
-        args = (jax.ShapeDtypeStruct((8, n), dtype), labels, row, row)
-        yield logprobs_and_grad(dict(logit_softcap=softcap)), args
-        yield logprobs_and_grad(dict(logit_softcap=softcap), ignore_index=None), args
-    x = jax.ShapeDtypeStruct((8, 1000), "float32")
-    for cap in SOFTCAPS:
-
-        def mean_grad(x, labels, cap=cap):
-            return jax.grad(lambda x: quack_jax.cross_entropy(x, labels, logit_softcap=cap))(x)
-
-        def per_row(x, labels, cap=cap):
-            return quack_jax.cross_entropy(x, labels, logit_softcap=cap, reduction="none")
-
-        yield mean_grad, (x, labels)
-        yield per_row, (x, labels)
-
-    def linear(h, w, labels):  # test_linear_token_logprobs_matches_the_logits's kernels
-        def total(h, w):
-            logp, ent = quack_jax.linear_token_logprobs(
-                h,
-                w,
-                labels,
-                temperature=0.7,
-                return_entropy=True,
-                logit_softcap=20.0,
-                chunk_size=128,
-                preferred_element_type="float32",
-            )
-            return jnp.sum(logp + ent)
-
-        return jax.grad(total, argnums=(0, 1))(h, w)
-
-    h, w = jax.ShapeDtypeStruct((300, 64), "bfloat16"), jax.ShapeDtypeStruct((64, 1000), "bfloat16")
-    yield linear, (h, w, jax.ShapeDtypeStruct((300,), jnp.int32))
+def test_gpu_shapes_are_built():
+    """The gpu tests' row lengths and dtypes are among those the cross-entropy SPEC's
+    lowerings build for them (with every softcap and entropy variant): prebuild builds
+    no others."""
+    tests = specs()["token_logprobs"].tests["gpu"]
+    assert {n for _, n in SHAPES["gpu"]} <= set(tests.lengths)
+    assert set(DTYPES) <= set(tests.dtypes)
 
 
 @pytest.mark.parametrize("transpose", (False, True))

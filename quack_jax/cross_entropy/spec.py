@@ -187,6 +187,12 @@ def _token_logprobs_benchmark(temperature=0.7):
     )
 
 
+# the gpu tests' row lengths beyond the grid: small logits (rows of 3 classes, of 10, of
+# 40), and the vocabulary split over two GPUs (each one's half, and the whole that
+# the vocab-parallel tests gather)
+SMALL_SIZES = (3, 10, 40)
+SHARDED_SIZES = (200, 400, 16000)
+
 SPEC = OpSpec(
     ops=("cross_entropy", "token_logprobs"),
     configs=(CrossEntropyForward, CrossEntropyBackward),
@@ -197,8 +203,8 @@ SPEC = OpSpec(
         "gpu": Shapes(
             rows=(1, 7, 4096, 16384),
             sizes=(2, 1000, 32000, 50257, 128256, 151936, 262144),
-            dtypes=("float32", "bfloat16"),
             special=(7, 1024, 65536),
+            others=SMALL_SIZES + SHARDED_SIZES,
         ),
     },
     benchmarks=_benchmarks,

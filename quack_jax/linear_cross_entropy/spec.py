@@ -3,33 +3,47 @@ cross-entropy kernels."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 
 from .._spec import OpSpec, Shapes
 from .api import linear_cross_entropy, linear_token_logprobs
 
+# the options that choose the cross-entropy kernels' variants: the mean loss (its
+# gradient from the forward) or per-row losses (a forward and a backward kernel), with
+# label smoothing or not, with a softcap or not
+VARIANTS = tuple(
+    dict(reduction=r, label_smoothing=s, logit_softcap=c)
+    for r, s, c in itertools.product(("mean", "none"), (0.0, 0.1), (None, 20.0))
+)
+
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """The value and gradients over two whole chunks and a part, with the weight as
-    (d, V) and as (V, d) (``packaged``: (d, V) only): of the mean loss, or of the sum of
-    logp and the entropy (linear_token_logprobs)."""
+    (d, V) and as (V, d): of the loss with each of ``VARIANTS``, or of the sum of logp
+    and the entropy (linear_token_logprobs). ``packaged``: the mean loss, or that sum,
+    with the weight as (d, V)."""
     t, d, chunk = 300, 64, 128
     h, labels = jax.ShapeDtypeStruct((t, d), dtype), jax.ShapeDtypeStruct((t,), "int32")
+    variants = VARIANTS[:1] if packaged else VARIANTS
     for transpose in (False,) if packaged else (False, True):
         w = jax.ShapeDtypeStruct((n, d) if transpose else (d, n), dtype)
+        for options in variants if op == "linear_cross_entropy" else ({},):
+            options = dict(options, transpose_weight=transpose, chunk_size=chunk)
 
-        def loss(h, w, labels, transpose=transpose):
-            def f(h, w):
-                options = dict(transpose_weight=transpose, chunk_size=chunk)
-                if op == "linear_cross_entropy":
-                    return linear_cross_entropy(h, w, labels, **options)
-                logp, ent = linear_token_logprobs(h, w, labels, return_entropy=True, **options)
-                return jnp.sum(logp + ent)
+            def loss(h, w, labels, options=options):
+                def f(h, w):
+                    if op == "linear_cross_entropy":
+                        loss = linear_cross_entropy(h, w, labels, **options)
+                        return jnp.sum(loss) if loss.ndim else loss
+                    logp, ent = linear_token_logprobs(h, w, labels, return_entropy=True, **options)
+                    return jnp.sum(logp + ent)
 
-            return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+                return jax.value_and_grad(f, argnums=(0, 1))(h, w)
 
-        yield loss, (h, w, labels)
+            yield loss, (h, w, labels)
 
 
 SPEC = OpSpec(
@@ -43,6 +57,7 @@ SPEC = OpSpec(
             rows=(300,),
             sizes=(32000, 50257, 128256, 152064, 256000),
             dtypes=("bfloat16", "float32"),
+            others=(1000,),  # the smaller cases' vocabulary
         ),
     },
 )

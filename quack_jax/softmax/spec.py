@@ -84,6 +84,7 @@ SPEC = OpSpec(
             rows=(1, 3, 1000, 32768),
             sizes=(1, 7, 100, 1024, 4096, 5000, 16384, 65536, 131071, 262144),
             special=(7, 1024, 65536),  # one row per warp, several warps, a cluster
+            others=(1000,),  # the rows of the other families' single tests
         ),
     },
     benchmarks=_benchmarks,
