@@ -4,14 +4,15 @@
     python benchmarks/prebuild.py --cache .cubins --tune   # and the tuner's candidates
 
     python benchmarks/prebuild.py --cache .cubins --tune cross_entropy  # one op's only
-    python benchmarks/prebuild.py --cache .cubins --only test_cross_entropy linear_ce
+    python benchmarks/prebuild.py --cache .cubins --only cross_entropy linear_ce
 
 Every kernel is built by lowering, for an sm_90a CUDA device on this machine, the
 functions that launch it: the benchmark's quack_jax functions (and, with ``--tune``, each
-tuned kernel under each candidate tiling, on both grids where the tuner times both), the
-softmax GPU tests' sizes through the op registry's build functions, and the cases that
-the test modules with GPU tests, ``sharded.py``, ``train_lm.py`` and ``linear_ce.py``
-list in ``prebuild_cases()``.
+tuned kernel under each candidate tiling, on both grids where the tuner times both);
+for the GPU tests, each op family's ``SPEC.test_lowerings("gpu")`` (the test suite's
+toy family ``tests/l2_norm`` included), the one list of what its tests launch; and the
+cases that the scripts ``sharded.py``, ``train_lm.py`` and ``linear_ce.py`` list in
+``prebuild_cases()``.
 Lowering takes each kernel from the cache and compiles the missing ones, so exactly the
 kernels (variants, tilings) those functions launch get built, at any number of rows
 (each function is lowered once with few rows and once with many; see
@@ -37,29 +38,23 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import jax  # noqa: E402
 
-from quack_jax import _cache, _ffi, bench  # noqa: E402
+from quack_jax import (  # noqa: E402
+    _cache,
+    _ffi,
+    _registry,
+    bench,
+)
 from quack_jax._lowering import lowering  # noqa: E402
-from quack_jax._registry import specs  # noqa: E402
+from quack_jax._spec import OpSpec  # noqa: E402
 from quack_jax._tiling import ITEMSIZE, RowTiling, TilingFamily  # noqa: E402
 from quack_jax.build import lower_for_cuda as lower_fn  # noqa: E402
 
 ARCH = "sm_90a"
 BENCH_OPS = tuple(bench.benchmarks())
-# modules whose prebuild_cases() list functions that the GPU runs launch kernels from
-CASE_MODULES = (
-    "test_norm",
-    "test_cross_entropy",
-    "test_token_logprobs",
-    "test_linear_cross_entropy",
-    "test_sharding",
-    "test_contract",
-    "test_fuzz",
-    "test_registry",
-    "test_export",
-    "sharded",
-    "train_lm",
-    "linear_ce",
-)
+# the test suite's toy op family (tests/l2_norm), which test_registry registers
+TEST_FAMILIES = ("l2_norm",)
+# scripts whose prebuild_cases() list functions that their GPU runs launch kernels from
+SCRIPTS = ("sharded", "train_lm", "linear_ce")
 
 
 class Lowering(NamedTuple):
@@ -117,10 +112,27 @@ def tuning_lowerings(ops=BENCH_OPS) -> list[Lowering]:
     return list(out.values())
 
 
-def case_lowerings(modules=CASE_MODULES) -> list[Lowering]:
-    """``prebuild_cases()`` of the GPU test modules and scripts that list them."""
+def test_families() -> dict[str, OpSpec]:
+    """Each op family's spec, the test suite's toy families included, by its first op."""
+    toys = [importlib.import_module(family).SPEC for family in TEST_FAMILIES]
+    return {spec.ops[0]: spec for spec in [*_registry.families(), *toys]}
+
+
+def test_lowerings(families=None) -> list[Lowering]:
+    """What the GPU tests launch: each family's ``SPEC.test_lowerings("gpu")`` (row
+    lengths past the kernels' reach launch none)."""
+    found = test_families()
+    return [
+        Lowering(f"{op} {dtype} n={n}", fn, args, needs_kernel=False)
+        for name in families or found
+        for op, dtype, n, fn, args in found[name].test_lowerings("gpu")
+    ]
+
+
+def script_lowerings(scripts=SCRIPTS) -> list[Lowering]:
+    """``prebuild_cases()`` of the scripts."""
     out = []
-    for name in modules:
+    for name in scripts:
         module = importlib.import_module(name)
         for i, (fn, args) in enumerate(module.prebuild_cases()):
             x = jax.tree.leaves(args)[0]
@@ -168,30 +180,15 @@ def _lower(low: Lowering, arch: str) -> int:
     return launches
 
 
-def softmax_test_lowerings() -> list[Lowering]:
-    """The softmax GPU tests' kernels: every size and dtype of the family's gpu test grid
-    (``SPEC.tests``), through its build functions (sizes past the kernels' reach launch
-    none)."""
-    registry = specs()
-    grid = registry["softmax"].tests["gpu"]
-    return [
-        Lowering(f"{op} {dtype} n={n}", fn, args, needs_kernel=False)
-        for op in ("softmax", "log_softmax")
-        for dtype in grid.dtypes
-        for n in sorted(set(grid.sizes) | set(grid.special))
-        for fn, args in registry[op].lowerings(op, dtype, n, False)
-    ]
-
-
 def build_lowered(tune=(), verbose: bool = True):
-    """Every kernel that the benchmark (and its tuner, for the ops in ``tune``) and the GPU
-    tests launch, built by lowering them for sm_90a. Returns the kernels (see
-    ``lower_for_cuda``)."""
+    """Every kernel that the benchmark (and its tuner, for the ops in ``tune``), the GPU
+    tests and the scripts launch, built by lowering them for sm_90a. Returns the kernels
+    (see ``lower_for_cuda``)."""
     kernels = lower_for_cuda(benchmark_lowerings(), "benchmark", ARCH, verbose)
     if tune:
         kernels += lower_for_cuda(tuning_lowerings(tune), "tuner candidates", ARCH, verbose)
-    kernels += lower_for_cuda(softmax_test_lowerings(), "softmax GPU tests", ARCH, verbose)
-    kernels += lower_for_cuda(case_lowerings(), "GPU test and script cases", ARCH, verbose)
+    kernels += lower_for_cuda(test_lowerings(), "GPU tests", ARCH, verbose)
+    kernels += lower_for_cuda(script_lowerings(), "scripts", ARCH, verbose)
     return list(dict.fromkeys(kernels))
 
 
@@ -204,12 +201,22 @@ def main():
         "--tune", nargs="*", metavar="OP", help="also the tuner's candidates (of these ops; all)"
     )
     parser.add_argument(
-        "--only", nargs="+", choices=CASE_MODULES, help="only these modules' prebuild_cases()"
+        "--only",
+        nargs="+",
+        metavar="FAMILY_OR_SCRIPT",
+        help=f"only these families' GPU tests (by first op: {', '.join(test_families())}) "
+        f"or these scripts' cases ({', '.join(SCRIPTS)})",
     )
     args = parser.parse_args()
     os.environ["QUACK_JAX_CACHE"] = args.cache
     if args.only:
-        lower_for_cuda(case_lowerings(args.only), "the cases of " + ", ".join(args.only))
+        unknown = set(args.only) - set(test_families()) - set(SCRIPTS)
+        if unknown:
+            parser.error(f"--only: unknown {', '.join(sorted(unknown))}")
+        families = [name for name in args.only if name not in SCRIPTS]
+        scripts = [name for name in args.only if name in SCRIPTS]
+        lowerings = (test_lowerings(families) if families else []) + script_lowerings(scripts)
+        lower_for_cuda(lowerings, "the GPU tests of " + ", ".join(args.only))
         return
     tune = [] if args.tune is None else args.tune or list(BENCH_OPS)
     kernels = build_lowered(tune)
