@@ -39,7 +39,8 @@ def scalar(default: Any = None):
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    # "module:Class": a module of quack_jax.kernels by its name, any other by its full path
+    # "module:Class": a module of quack_jax.kernels by its name, any other by its full
+    # path; resolved only when a kernel compiles (docs/decisions/022)
     kernel_class: ClassVar[str]
     # kernel op -> the selecting fields' values that make it
     kernels: ClassVar[dict[str, dict[str, Any]]]
