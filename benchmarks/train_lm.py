@@ -5,19 +5,29 @@ peak device memory (and, with ``--max-batch``, the largest batch that fits).
 
     python benchmarks/train_lm.py --config tiny --steps 20 --out DIR   # CPU, < 1 minute
     python benchmarks/train_lm.py --config h200 --steps 200 --out DIR  # one H200
+    python benchmarks/train_lm.py --config llama3-1b --profile --max-batch --out DIR
     python benchmarks/train_lm.py --config h200 --devices 2 --out DIR  # data parallel
     python benchmarks/train_lm.py --config h200 --devices 2 --vocab-parallel 2 --out DIR
     python benchmarks/train_lm.py --config h200 --max-batch --out DIR  # and the batch limit
 
-The model: token embedding, pre-norm blocks (RMSNorm, causal softmax attention in plain
-JAX, RMSNorm, GELU MLP), a final RMSNorm and an untied LM head; bfloat16 activations,
-float32 parameters, AdamW. The variants ("stock", "quack", "quack_jax_fused") share every
-line but these: the norm class (``flax.nnx.RMSNorm``, or ``quack_jax.flax.nnx.RMSNorm`` in
-both quack_jax variants), the attention softmax (``jax.nn.softmax`` in float32, or
-``quack_jax.softmax``) and the loss: optax's ``softmax_cross_entropy_with_integer_labels``
-on float32 logits ("stock"), ``quack_jax.cross_entropy`` on the bfloat16 logits ("quack"),
-or the LM head and the loss in one, ``quack_jax.flax.nnx.linear_cross_entropy(head, x,
-targets)``, which never makes the (tokens, vocabulary) logits ("quack_jax_fused").
+The model ("tiny", "h200"): token embedding, pre-norm blocks (RMSNorm, causal softmax
+attention in plain JAX, RMSNorm, GELU MLP), a final RMSNorm and an untied LM head;
+bfloat16 activations, float32 parameters, AdamW. The Llama configs ("llama3-1b": Llama
+3.2-1B's shapes, d = 2048, 16 layers, 32 query and 8 key/value heads, SwiGLU of 8192, a
+128256-token head tied to the embedding as the model ships; "llama3-1b-untied"; and
+"llama-tiny", the same code at a CPU's size) take grouped-query attention with RoPE at
+Llama 3's frequencies through ``jax.nn.dot_product_attention`` (cuDNN's flash attention
+on a GPU), a SwiGLU MLP, and a tied head where the config says so.
+
+The variants ("stock", "quack", "quack_jax_fused") share every line but these: the norm
+class (``flax.nnx.RMSNorm``, or ``quack_jax.flax.nnx.RMSNorm`` in both quack_jax
+variants), the attention softmax of the "tiny" and "h200" models (``jax.nn.softmax`` in
+float32, or ``quack_jax.softmax``) and the loss: optax's
+``softmax_cross_entropy_with_integer_labels`` on float32 logits ("stock"),
+``quack_jax.cross_entropy`` on the bfloat16 logits ("quack"), or the LM head and the
+loss in one, ``quack_jax.flax.nnx.linear_cross_entropy(head, x, targets)``, which never
+makes the (tokens, vocabulary) logits ("quack_jax_fused"; a tied head passes the
+``nnx.Embed``).
 
 The data is Python's own standard library source (the ``.py`` files of the running
 interpreter's stdlib, nothing downloaded), tokenised by a word-level tokenizer built from
@@ -31,7 +41,9 @@ Each variant runs in its own process (so its peak memory is its own); the parent
 step times). ``--profile`` also traces a few steps of each variant in one more process
 (with XLA's command buffers off, so that each kernel is tied to its instruction) and
 reports the device time of each part of the model (by ``jax.named_scope``; the fused
-variant's head and loss are one part, "lm_head_cross_entropy").
+variant's head and loss are one part, "lm_head_cross_entropy"), and by kernel kind
+(``KINDS``): GEMMs, attention, quack_jax's kernels, copies, and XLA's fusions by the
+model part they compute.
 
 ``--max-batch``: before training, each variant's process also finds the largest batch
 (sequences per step) whose jitted train step fits the device memory, without running
@@ -80,12 +92,40 @@ class Config:
     batch: int  # sequences per step, over all devices
     lr: float
     corpus_mb: float | None = None  # read only this much of the stdlib (None: all)
+    # "gpt": GELU MLP, softmax attention in plain JAX, untied head; "llama": SwiGLU,
+    # grouped-query attention with RoPE (Llama 3's scaling) by jax.nn.dot_product_attention
+    arch: str = "gpt"
+    kv_heads: int | None = None  # llama: the key and value heads
+    ffn: int | None = None  # llama: the SwiGLU's hidden size
+    tied: bool = False  # the LM head is the embedding table: logits = x @ embedding.T
 
 
+# Llama 3.2-1B's shapes (the head tied to the embedding, as it ships, or untied), and a
+# CPU-sized model of the same code for CI
+LLAMA3_1B = dict(vocab=128256, d=2048, layers=16, heads=32, kv_heads=8, ffn=8192, arch="llama")
 CONFIGS = {
     "tiny": Config(vocab=2048, d=64, layers=2, heads=4, seq=64, batch=8, lr=3e-3, corpus_mb=1),
     "h200": Config(vocab=131072, d=2048, layers=4, heads=16, seq=1024, batch=8, lr=3e-4),
+    "llama3-1b": Config(**LLAMA3_1B, seq=1024, batch=8, lr=3e-4, tied=True),
+    "llama3-1b-untied": Config(**LLAMA3_1B, seq=1024, batch=8, lr=3e-4),
+    "llama-tiny": Config(
+        vocab=2048,
+        d=64,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        ffn=192,
+        seq=64,
+        batch=8,
+        lr=3e-3,
+        corpus_mb=1,
+        arch="llama",
+        tied=True,
+    ),
 }
+# Llama 3's RoPE: base frequency, and the scaling of its long wavelengths
+ROPE_THETA = 500000.0
+ROPE_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original=8192)
 
 
 # -- data -------------------------------------------------------------------------------
@@ -151,6 +191,35 @@ def batches(tokens: np.ndarray, cfg: Config, steps: int, seed: int):
 # -- model ------------------------------------------------------------------------------
 
 
+def rope(head_dim: int, seq: int):
+    """Rotary position embedding with Llama 3's frequencies: x (batch, seq, heads,
+    head_dim) -> x rotated by position, its halves as (real, imaginary) parts. The
+    wavelengths longer than the original context's are stretched by ``factor``, those
+    between the two thresholds blended (``ROPE_SCALING``)."""
+    import jax.numpy as jnp
+
+    sc = ROPE_SCALING
+    inv = 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelength = 2 * np.pi / inv
+    low, high = sc["original"] / sc["low_freq_factor"], sc["original"] / sc["high_freq_factor"]
+    scaled = np.where(wavelength > low, inv / sc["factor"], inv)
+    blend = (sc["original"] / wavelength - sc["low_freq_factor"]) / (
+        sc["high_freq_factor"] - sc["low_freq_factor"]
+    )
+    medium = (wavelength >= high) & (wavelength <= low)
+    inv = np.where(medium, (1 - blend) * scaled / sc["factor"] + blend * scaled, scaled)
+    angles = np.arange(seq)[:, None] * inv[None, :]
+    cos, sin = (np.asarray(f(angles), np.float32)[:, None, :] for f in (np.cos, np.sin))
+
+    def rotary(x):
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        t = x.shape[1]
+        c, s = cos[:t], sin[:t]
+        return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+    return rotary
+
+
 def build(cfg: Config, variant: str):
     """A function of the seed that makes the model, and the loss function, for ``variant``."""
     import jax
@@ -207,14 +276,46 @@ def build(cfg: Config, variant: str):
             with jax.named_scope("mlp"):
                 return h + self.down(jax.nn.gelu(self.up(x)))
 
+    class LlamaBlock(nnx.Module):
+        def __init__(self, rngs):
+            hd = cfg.d // cfg.heads
+            self.norm1, self.norm2 = norm(rngs), norm(rngs)
+            self.q = linear(cfg.d, cfg.heads * hd, rngs)
+            self.kv = linear(cfg.d, 2 * cfg.kv_heads * hd, rngs)
+            self.out = linear(cfg.heads * hd, cfg.d, rngs)
+            self.gate_up = linear(cfg.d, 2 * cfg.ffn, rngs)
+            self.down = linear(cfg.ffn, cfg.d, rngs)
+
+        def __call__(self, h):
+            b, t, _ = h.shape
+            with jax.named_scope("norm"):
+                x = self.norm1(h)
+            with jax.named_scope("attention"):
+                q = self.q(x).reshape(b, t, cfg.heads, -1)
+                k, v = jnp.split(self.kv(x).reshape(b, t, 2 * cfg.kv_heads, -1), 2, axis=2)
+                q, k = rotary(q), rotary(k)
+                a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+                h = h + self.out(a.reshape(b, t, -1))
+            with jax.named_scope("norm"):
+                x = self.norm2(h)
+            with jax.named_scope("mlp"):
+                gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
+                return h + self.down(jax.nn.silu(gate) * up)
+
+    llama = cfg.arch == "llama"
+    if llama:
+        rotary = rope(cfg.d // cfg.heads, cfg.seq)
+        attention = "cudnn" if jax.default_backend() == "gpu" else None
+
     class LM(nnx.Module):
         def __init__(self, rngs):
             self.embed = nnx.Embed(
                 cfg.vocab, cfg.d, dtype=bf16, param_dtype=f32, embedding_init=init, rngs=rngs
             )
-            self.blocks = nnx.List([Block(rngs) for _ in range(cfg.layers)])
+            block = LlamaBlock if llama else Block
+            self.blocks = nnx.List([block(rngs) for _ in range(cfg.layers)])
             self.norm = norm(rngs)
-            self.head = linear(cfg.d, cfg.vocab, rngs)
+            self.head = self.embed if cfg.tied else linear(cfg.d, cfg.vocab, rngs)
 
         def features(self, tokens):
             """The LM head's input: the final norm of the last block's output."""
@@ -227,7 +328,7 @@ def build(cfg: Config, variant: str):
         def __call__(self, tokens):
             x = self.features(tokens)
             with jax.named_scope("lm_head"):
-                return self.head(x)
+                return self.embed.attend(x) if cfg.tied else self.head(x)
 
     def make(seed):
         return LM(nnx.Rngs(seed))
@@ -237,7 +338,7 @@ def build(cfg: Config, variant: str):
         if fused:  # the head's GEMMs and the loss in one op, without the logits
             x = model.features(inputs)
             with jax.named_scope("lm_head_cross_entropy"):
-                return qnnx.linear_cross_entropy(model.head, x, targets)
+                return qnnx.linear_cross_entropy(model.head, x, targets)  # Embed if tied
         logits = model(inputs)
         with jax.named_scope("cross_entropy"):
             return loss_of(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
@@ -261,13 +362,19 @@ def variant_grad(cfg: Config, variant: str):
 
 
 def prebuild_cases():
-    """The quack_jax variants' gradients at the h200 config (abstract: no parameters are
-    made), for ``prebuild.py``: their kernels are the ones the training runs launch
+    """The quack_jax variants' gradients at the Llama and h200 configs (abstract: no
+    parameters are made), for ``prebuild.py``: their kernels are the ones the training runs launch
     (``--max-batch`` changes the rows only, not the kernels)."""
     import jax
 
     import quack_jax
 
+    for name in ("llama3-1b", "llama3-1b-untied"):
+        cfg = CONFIGS[name]
+        tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), "int32")
+        for variant in QUACK_VARIANTS:
+            grad, params = variant_grad(cfg, variant)
+            yield grad, (params, tokens, tokens)
     cfg = CONFIGS["h200"]
     tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), "int32")
     grad, params = variant_grad(cfg, "quack")
@@ -374,7 +481,7 @@ def train(
         seconds.append(time.perf_counter() - start)
         bar.update(losses[-1], cfg.batch * cfg.seq / seconds[-1])
     bar.close()
-    shares = None
+    shares = kinds = None
     if profile_dir is not None:
         state = [params, opt_state]
 
@@ -383,7 +490,7 @@ def train(
             return loss
 
         text = step.lower(*state, inputs, targets).compile().as_text()
-        shares = profile(one_step, text, profile_dir)
+        shares, kinds = profile(one_step, text, profile_dir)
     stats = [d.memory_stats() or {} for d in jax.devices()[:devices]]
     steady = seconds[WARMUP:] or seconds
     return dict(
@@ -401,6 +508,7 @@ def train(
         tokens_per_s=cfg.batch * cfg.seq / statistics.median(steady),
         peak_bytes=max((s.get("peak_bytes_in_use", 0) for s in stats), default=None) or None,
         profile=shares,
+        profile_kinds=kinds,
     )
 
 
@@ -571,15 +679,37 @@ def profile(one_step, compiled_text: str, log_dir, steps: int = 3) -> dict:
         for e in events
         if e.get("ph") == "X" and (e.get("pid") in gpus if gpus else "hlo_op" in e.get("args", {}))
     ]
-    totals = collections.Counter()
+    totals, kinds = collections.Counter(), collections.Counter()
     for e in timed:
         args = e.get("args", {})
         names = (args.get("hlo_op"), e.get("name"), args.get("long_name", "").split(" = ")[0])
         part = next((scopes[n] for n in names if n in scopes), scope_of(args.get("tf_op", "")))
         totals[part] += e.get("dur", 0.0)
+        kinds[kernel_kind(e.get("name", ""), part)] += e.get("dur", 0.0)
     whole = sum(totals.values()) or 1.0
     busy = max(len({e.get("pid") for e in timed}), 1)  # devices that ran the steps
-    return {k: dict(us_per_step=v / steps / busy, share=v / whole) for k, v in totals.most_common()}
+
+    def shares(counts):
+        return {
+            k: dict(us_per_step=v / steps / busy, share=v / whole) for k, v in counts.most_common()
+        }
+
+    return shares(totals), shares(kinds)
+
+
+# a device kernel's kind, by its name: cuBLAS's and XLA's GEMMs, cuDNN's attention,
+# quack_jax's kernels (their symbols start "kernel_"), copies; any other is one of XLA's
+# fusions, counted by the model part it computes
+KINDS = (
+    ("quack_jax", re.compile(r"^kernel_")),
+    ("attention", re.compile(r"cudnn|fmha|flash|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|xmma|cublas|cutlass", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kernel_kind(name: str, part: str) -> str:
+    return next((k for k, pattern in KINDS if pattern.search(name)), f"fusion: {part}")
 
 
 # -- driver -----------------------------------------------------------------------------
@@ -655,18 +785,29 @@ def summary(records: dict) -> str:
     ]
     if against_stock:
         lines.append("\n" + "\n".join(against_stock))
-    profiled = {v: r["profile"] for v, r in records.items() if r["profile"]}
-    if profiled:
-        lines += ["", "Device time per step by model part, ms (share of the step):", ""]
-        lines += ["| part | " + " | ".join(profiled) + " |", "|---" * (len(profiled) + 1) + "|"]
-        for part in (*SCOPES, "other"):
+    for key, title, rows in (
+        ("profile", "model part", (*SCOPES, "other")),
+        ("profile_kinds", "kernel kind", None),
+    ):
+        profiled = {v: r[key] for v, r in records.items() if r.get(key)}
+        if not profiled:
+            continue
+        if rows is None:  # every kind any variant ran, the longest first
+            rows = sorted(
+                {k for p in profiled.values() for k in p},
+                key=lambda k: -max(p.get(k, {}).get("us_per_step", 0) for p in profiled.values()),
+            )
+        lines += ["", f"Device time per step by {title}, ms (share of the step):", ""]
+        lines += [f"| {title} | " + " | ".join(profiled) + " |"]
+        lines += ["|---" * (len(profiled) + 1) + "|"]
+        for row in rows:
             cells = [
-                f"{p[part]['us_per_step'] / 1e3:.2f} ({100 * p[part]['share']:.1f}%)"
-                if part in p
+                f"{p[row]['us_per_step'] / 1e3:.2f} ({100 * p[row]['share']:.1f}%)"
+                if row in p
                 else "-"
                 for p in profiled.values()
             ]
-            lines.append(f"| {part} | " + " | ".join(cells) + " |")
+            lines.append(f"| {row} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -747,6 +888,7 @@ def main(argv=None):
             flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
             traced = run_child(args, variant, WARMUP, ["--profile"], XLA_FLAGS=flags.strip())
             records[variant]["profile"] = traced["profile"]
+            records[variant]["profile_kinds"] = traced["profile_kinds"]
     first = next(iter(records.values()))
     where = (
         "quack_jax kernels" if first["kernels"] else "no sm_90 GPU: quack_jax ran its XLA fallback"

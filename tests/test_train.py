@@ -55,6 +55,51 @@ def test_tiny_training_run(tmp_path, train_lm):
     assert train_lm.CONFIGS["h200"].vocab >= 128 * 1024
 
 
+def test_llama_training_run(tmp_path, train_lm):
+    """The Llama code at a CPU's size (grouped-query attention, RoPE, SwiGLU, the head tied
+    to the embedding): the variants agree; the profile splits the step by model part and
+    by kernel kind; the 1B configs have Llama 3.2-1B's shapes."""
+    steps = 8
+    args = ["--config", "llama-tiny", "--steps", str(steps), "--out", str(tmp_path), "--profile"]
+    train_lm.main(args)
+    result = json.loads((tmp_path / "train_llama-tiny.json").read_text())
+    runs = result["runs"]
+    for run in runs.values():
+        assert np.isfinite(run["loss"]).all() and run["loss"][-1] < run["loss"][0]
+        assert {"attention", "mlp", "norm"} <= run["profile"].keys()
+        assert {"fusion: attention", "fusion: mlp"} <= run["profile_kinds"].keys()
+    assert "lm_head_cross_entropy" in runs["quack_jax_fused"]["profile"]
+    ref = np.array(runs["stock"]["loss"])
+    for variant in ("quack", "quack_jax_fused"):
+        assert_close(runs[variant]["loss"], ref, np.abs(ref), "bfloat16", f"{variant} loss")
+    assert "by kernel kind" in (tmp_path / "train_llama-tiny.md").read_text()
+    big = train_lm.CONFIGS["llama3-1b"]
+    assert (big.d, big.layers, big.heads, big.kv_heads, big.ffn, big.vocab, big.tied) == (
+        2048,
+        16,
+        32,
+        8,
+        8192,
+        128256,
+        True,
+    )
+    assert not train_lm.CONFIGS["llama3-1b-untied"].tied
+
+
+def test_rope_keeps_norms_and_relative_angles(train_lm):
+    """RoPE rotates each pair of a head's features: norms are kept, and the dot product of
+    a rotated query and key depends only on their distance."""
+    rotary = train_lm.rope(16, 32)
+    rng = np.random.default_rng(0)
+    q, k = (rng.standard_normal((1, 1, 1, 16)).astype(np.float32) for _ in range(2))
+    at = [np.repeat(x, 32, axis=1) for x in (q, k)]
+    rq, rk = (np.asarray(rotary(x)) for x in at)
+    norms = [np.linalg.norm(x, axis=-1) for x in (rq, at[0])]
+    assert_close(norms[0], norms[1], 1.0, "float32", "norm")
+    dots = [float(rq[0, i, 0] @ rk[0, i + 3, 0]) for i in range(20)]
+    assert_close(np.array(dots), np.full(20, dots[0]), 1.0 + abs(dots[0]), "float32", "angles")
+
+
 def test_largest_search(train_lm):
     for size, start, unit in [(37, 8, 1), (37, 8, 2), (5, 8, 1), (8, 8, 4), (1, 8, 2)]:
         tried = []
