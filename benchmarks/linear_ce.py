@@ -1,41 +1,35 @@
-"""Linear + cross-entropy on the GPU: time, compiled memory and measured peak memory of
-``loss = mean CE(h @ W, labels)`` with its gradients for h and W, one jitted
-``value_and_grad``, bfloat16 h and W (d, V).
+"""Linear + cross-entropy on the GPU against its three GEMMs: for each shape and dtype,
+every variant timed in one process, so that the ratios compare like with like.
 
-    python benchmarks/linear_ce.py --out DIR                      # every shape, the CE variants
-    python benchmarks/linear_ce.py --out DIR --variants fused --chunks 1024 4096
-    python benchmarks/linear_ce.py --out DIR --oom                # the out-of-memory row
-    python benchmarks/linear_ce.py --out DIR --variants gemms logprobs_xla logprobs_fused
-    python benchmarks/linear_ce.py --out DIR --sharded            # two GPUs, vocab-parallel
+    python benchmarks/linear_ce.py --out DIR                     # every row: both sets, dtypes
+    python benchmarks/linear_ce.py --out DIR --sets ce --dtypes bfloat16 --shapes 16384 4096 128256
+    python benchmarks/linear_ce.py --out DIR --oom               # the out-of-memory row
+    python benchmarks/linear_ce.py --out DIR --sharded           # two GPUs, vocab-parallel
 
-Variants (``--variants``):
-  gemms            the three GEMMs alone (h @ W, then logits @ W.T and h.T @ logits): the
-                   floor of any op that needs them
-  xla              XLA: the logits upcast to float32, logsumexp minus the target logit
-  unfused          h @ W, then quack_jax.cross_entropy
-  fused            quack_jax.linear_cross_entropy (its default chunk; ``--chunks`` adds
-                   fused@N rows with chunk_size=N)
-  tokamax          tokamax.linear_softmax_cross_entropy_loss, implementation "xla"
-  tokamax_chunked  the same, implementation "chunked_xla" (its loss is wrong where V is not
-                   a multiple of its vocabulary block, 2048: it counts padded zero logits)
-  logprobs_xla     an RL loss instead: ``mean(adv * logp + 0.01 * H)`` of the token
-                   log-probs and entropies at temperature 0.7, in XLA (the logits in
-                   float32, log_softmax of logits / T, a gather, -sum(p * logp))
-  logprobs_fused   the same loss through quack_jax.linear_token_logprobs
+Variant sets (``--sets``), each the value and the gradients of h and W in one jit:
+  ce    ``mean CE(h @ W, labels)``
+  grpo  a GRPO-style policy loss ``mean(advantage * logp + 0.01 * entropy)`` of the
+        tokens' log-probabilities and the rows' entropies at temperature 0.9
 
-Each (shape, variant) runs in a fresh process, so the peak device memory it reports
-(``memory_stats()["peak_bytes_in_use"]``, the inputs included) is its own; the compiled
-memory is ``memory_analysis()``'s temp and output bytes. Time: the median of ``--reps``
-calls after one warm-up call (``input_peak_bytes`` is the peak after drawing the inputs,
-before the variant runs). Children run with ``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``, so
-"out of memory" means the card's memory, not JAX's default share of it. ``--oom`` runs the
-xla and fused variants at OOM_SHAPE, where XLA's needs more than the card holds.
+and in each set the variants:
+  gemms    the three GEMMs alone (h @ W, then logits @ W.T and h.T @ logits): the floor
+  fused    quack_jax.linear_cross_entropy (ce) or linear_token_logprobs (grpo), at its
+           default chunk
+  unfused  h @ W, then quack_jax.cross_entropy or token_logprobs
+  xla      XLA: the logits in float32, logsumexp minus the target logit (ce), or
+           log_softmax of logits / T, a gather and -sum(p * logp) (grpo)
+
+Each (shape, dtype, set) runs in a fresh process (``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95``,
+so that "out of memory" means the card's), which compiles each variant, then times it:
+the median of ``--reps`` calls after one warm-up call. Its row in DIR/linear_ce.json has
+``tokens``, ``hidden``, ``vocab``, ``dtype``, ``variant_set``, and per variant
+``<variant>_ms``, ``<variant>_temp_gb`` (the compiled program's temporaries) and
+``<variant>_loss``, or ``<variant>_error``; DIR/linear_ce.md is the table. ``--oom`` runs
+xla and fused at OOM_SHAPE, where XLA's needs more than the card holds.
 
 ``--sharded`` (two or more GPUs) runs the fused op with the weight's vocabulary axis split
-over all GPUs against the same inputs on one GPU: loss and gradients compared, both timed.
-
-Results: DIR/linear_ce.json and linear_ce.md (and linear_ce.png with matplotlib);
-linear_ce_oom.* with ``--oom``; linear_ce_sharded.json and .md with ``--sharded``.
+over all GPUs against the same inputs on one GPU: loss and gradients compared, both timed
+(DIR/linear_ce_sharded.json and .md).
 """
 
 from __future__ import annotations
@@ -58,80 +52,79 @@ import numpy as np
 import quack_jax
 
 GB = 1e9
-# (tokens, hidden, vocabulary): Llama 3 8B, Gemma 2 2B, Qwen 2.5 7B heads, then twice the tokens
-SHAPES = [(16384, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 152064)]
-SHAPES += [(2 * t, d, v) for t, d, v in SHAPES]
+# (tokens, hidden, vocabulary): Llama 3 8B's, Gemma 2 2B's and Qwen 2.5 7B's heads, then
+# twice their tokens; and each common vocabulary at 16384 tokens of 4096
+TABLE = [(16384, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 152064)]
+TABLE += [(65536, 4096, 152064)]
+SHAPES = list(dict.fromkeys(TABLE + [(2 * t, d, v) for t, d, v in TABLE]))
+SHAPES += [(16384, 4096, v) for v in (32000, 50257, 152064, 256000)]
+GRPO_SHAPES = [(8192, 2304, 256000)]
+DTYPES = ("bfloat16", "float32")
+SETS = ("ce", "grpo")
+VARIANTS = ("gemms", "fused", "unfused", "xla")
 OOM_SHAPE = (196608, 4096, 152064)
 SHARDED_SHAPES = [(16384, 4096, 128256), (8192, 2304, 256000)]
-VARIANTS = ("gemms", "xla", "unfused", "fused", "tokamax", "tokamax_chunked")
-LOGPROB_VARIANTS = ("logprobs_xla", "logprobs_fused")  # not run unless --variants names them
-TEMPERATURE = 0.7
+TEMPERATURE = 0.9
+ENTROPY_BONUS = 0.01
 MEM_FRACTION = "0.95"
 
 
-def loss_fn(variant: str):
-    """loss(h, w, labels) of a variant, or None for the three GEMMs alone."""
-    if variant == "xla":
-
-        def loss(h, w, labels):
-            logits = (h @ w).astype(jnp.float32)
-            target = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
-            return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target)
-
-        return loss
+def ce_loss(variant: str):
+    """loss(h, w, labels) of a variant of the "ce" set."""
+    if variant == "fused":
+        return quack_jax.linear_cross_entropy
     if variant == "unfused":
         return lambda h, w, labels: quack_jax.cross_entropy(h @ w, labels)
-    if variant.startswith("fused"):
-        _, _, chunk = variant.partition("@")
-        chunk = int(chunk) if chunk else None
-        return lambda h, w, labels: quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk)
-    if variant.startswith("logprobs"):
 
-        def logprobs(h, w, labels):
-            if variant == "logprobs_fused":
-                return quack_jax.linear_token_logprobs(
-                    h, w, labels, temperature=TEMPERATURE, return_entropy=True
-                )
-            logp = jax.nn.log_softmax((h @ w).astype(jnp.float32) / TEMPERATURE, axis=-1)
-            target = jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
-            return target, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    def xla(h, w, labels):
+        logits = (h @ w).astype(jnp.float32)
+        target = jnp.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - target)
 
-        def loss(h, w, labels):
-            logp, entropy = logprobs(h, w, labels)
-            advantage = (labels % 3 - 1).astype(jnp.float32)  # any constant per token
-            return jnp.mean(advantage * logp + 0.01 * entropy)
-
-        return loss
-    if variant.startswith("tokamax"):
-        import tokamax
-
-        impl = "chunked_xla" if variant == "tokamax_chunked" else "xla"
-        return lambda h, w, labels: tokamax.linear_softmax_cross_entropy_loss(
-            h, labels, w, reduction="mean", implementation=impl
-        )
-    return None
+    return xla
 
 
-def step(variant: str):
+def grpo_loss(variant: str):
+    """loss(h, w, labels) of a variant of the "grpo" set."""
+    options = dict(temperature=TEMPERATURE, return_entropy=True)
+
+    def logprobs(h, w, labels):
+        if variant == "fused":
+            return quack_jax.linear_token_logprobs(h, w, labels, **options)
+        if variant == "unfused":
+            return quack_jax.token_logprobs(h @ w, labels, **options)
+        logp = jax.nn.log_softmax((h @ w).astype(jnp.float32) / TEMPERATURE, axis=-1)
+        target = jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
+        return target, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+    def loss(h, w, labels):
+        logp, entropy = logprobs(h, w, labels)
+        advantage = (labels % 3 - 1).astype(jnp.float32)  # any constant per token
+        return jnp.mean(advantage * logp + ENTROPY_BONUS * entropy)
+
+    return loss
+
+
+def step(variant: str, variant_set: str = "ce"):
     """(h, w, labels) -> (loss, (dh, dw)) of a variant, jitted."""
-    loss = loss_fn(variant)
-    if loss is None:  # the three GEMMs, with the logits standing in for their gradient
+    if variant == "gemms":  # the logits stand in for their gradient
 
         def gemms(h, w, labels):
             logits = h @ w
             return jnp.zeros((), jnp.float32), (logits @ w.T, h.T @ logits)
 
         return jax.jit(gemms)
+    loss = (ce_loss if variant_set == "ce" else grpo_loss)(variant)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def inputs(t, d, v, seed=0):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def inputs(t, d, v, dtype="bfloat16", seed=0):
     """h, W (logits of about unit size) and labels; jitted, so that drawing them holds no
     float32 or random-bits copy of W on the device."""
     kh, kw, kl = jax.random.split(jax.random.key(seed), 3)
-    h = jax.random.normal(kh, (t, d), jnp.bfloat16)
-    w = (jax.random.normal(kw, (d, v)) / np.sqrt(d)).astype(jnp.bfloat16)
+    h = jax.random.normal(kh, (t, d), dtype)
+    w = (jax.random.normal(kw, (d, v)) / np.sqrt(d)).astype(dtype)
     return h, w, jax.random.randint(kl, (t,), 0, v)
 
 
@@ -146,115 +139,94 @@ def timed(fn, args, reps):
     return statistics.median(times)
 
 
-def child(shape, variant, reps) -> dict:
-    """One (shape, variant) in this process: its compiled memory, time and peak memory."""
+def child(shape, dtype, variant_set, reps, variants=VARIANTS) -> dict:
+    """One row in this process: each variant's compiled temporaries, time and loss."""
     t, d, v = shape
-    row = dict(t=t, d=d, v=v, variant=variant)
-    try:
-        args = jax.block_until_ready(inputs(t, d, v))
-        row["input_peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-        fn = step(variant)
-        compiled = fn.lower(*args).compile()
-        memory = compiled.memory_analysis()
-        row |= dict(temp_bytes=memory.temp_size_in_bytes, output_bytes=memory.output_size_in_bytes)
-        row["kernels"] = compiled.as_text().count('custom_call_target="quack_jax_launch"')
-        row["seconds"] = timed(compiled, args, reps)
-        row["loss"] = float(compiled(*args)[0])
-        row["peak_bytes"] = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
-        row["input_bytes"] = sum(a.nbytes for a in args)
-    except Exception as error:  # recorded: an out-of-memory row is a result here
-        row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
-    return row
+    row = dict(tokens=t, hidden=d, vocab=v, dtype=dtype, variant_set=variant_set)
+    args = jax.block_until_ready(inputs(t, d, v, dtype))
+    for variant in variants:
+        try:
+            compiled = step(variant, variant_set).lower(*args).compile()
+            row[f"{variant}_temp_gb"] = compiled.memory_analysis().temp_size_in_bytes / GB
+            row[f"{variant}_ms"] = 1e3 * timed(compiled, args, reps)
+            if variant != "gemms":
+                row[f"{variant}_loss"] = float(compiled(*args)[0])
+            del compiled
+        except Exception as error:  # recorded: an out-of-memory variant is a result here
+            row[f"{variant}_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+    return row | verdict(row)
 
 
-def run_all(cases, reps, path: pathlib.Path) -> list:
-    """Each case in a fresh process; the rows so far are written to ``path`` after each."""
+def verdict(row) -> dict:
+    """The targets a row is read against: fused within 1.03x of the GEMMs and no slower
+    than unfused ("ce"); no slower than XLA at a quarter of its memory or less ("grpo")."""
+    ms = {k: row.get(f"{k}_ms") for k in VARIANTS}
+    out = {}
+    if ms["fused"] and ms["gemms"]:
+        out["fused_over_gemms"] = ms["fused"] / ms["gemms"]
+    for other in ("unfused", "xla"):
+        if ms["fused"] and ms[other]:
+            out[f"fused_over_{other}"] = ms["fused"] / ms[other]
+    if row["variant_set"] == "ce" and {"fused_over_gemms", "fused_over_unfused"} <= out.keys():
+        out["meets"] = out["fused_over_gemms"] <= 1.03 and out["fused_over_unfused"] <= 1.0
+    if row["variant_set"] == "grpo" and "fused_over_xla" in out:
+        small = row["fused_temp_gb"] <= row["xla_temp_gb"] / 4
+        out["meets"] = out["fused_over_xla"] <= 1.0 and small
+    return out
+
+
+def run_all(cases, reps, path: pathlib.Path, variants=VARIANTS) -> list:
+    """Each (shape, dtype, set) in a fresh process; the rows so far are written to
+    ``path`` after each."""
     rows = []
     meta = dict(
         date=datetime.date.today().isoformat(),
         jax=jax.__version__,
         device=jax.devices()[0].device_kind,
         mem_fraction=MEM_FRACTION,
+        reps=reps,
     )
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=MEM_FRACTION)
-    for shape, variant in cases:
-        cmd = [sys.executable, __file__, "--child", variant, *map(str, shape), "--reps", str(reps)]
+    for shape, dtype, variant_set in cases:
+        cmd = [sys.executable, __file__, "--child", dtype, variant_set, *map(str, shape)]
+        cmd += ["--reps", str(reps), "--variants", *variants]
         done = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        lines = done.stdout.strip().splitlines()
         try:
-            row = json.loads(lines[-1])
+            row = json.loads(done.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
             t, d, v = shape
-            row = dict(t=t, d=d, v=v, variant=variant, error=done.stderr.strip()[-300:])
+            row = dict(tokens=t, hidden=d, vocab=v, dtype=dtype, variant_set=variant_set)
+            row["error"] = done.stderr.strip()[-300:]
         rows.append(row)
-        print(describe(row), flush=True)
+        print(table([row]).splitlines()[-1], flush=True)
         path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return rows
 
 
-def gigabytes(n) -> str:
-    return "n/a" if n is None else f"{n / GB:.2f}"
-
-
-def describe(row) -> str:
-    head = f"{row['t']}x{row['d']}x{row['v']} {row['variant']:16s}"
-    if "error" in row:
-        return f"{head} error: {row['error'][:160]}"
-    return (
-        f"{head} {row['seconds'] * 1e3:8.2f} ms  temp {row['temp_bytes'] / GB:6.2f} GB  "
-        f"temp+out {(row['temp_bytes'] + row['output_bytes']) / GB:6.2f} GB  "
-        f"peak {gigabytes(row['peak_bytes'])} GB  kernels {row['kernels']}  loss {row['loss']:.5f}"
-    )
-
-
 def table(rows) -> str:
-    """Markdown: per shape, each variant's time (and against the three GEMMs) and memory."""
+    """Markdown: per row, each variant's time and temporaries, the fused op against the
+    GEMMs, unfused and XLA, and whether it meets its targets."""
     lines = [
-        "| T x d x V | variant | time (ms) | / 3 GEMMs | temp (GB) | temp + out (GB) | peak (GB) "
-        "| loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| T x d x V | dtype | set | GEMMs ms | fused ms | unfused ms | XLA ms "
+        "| fused / GEMMs | fused / unfused | fused / XLA | temp GB fused / unfused / XLA "
+        "| meets |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    gemms = {(r["t"], r["d"], r["v"]): r.get("seconds") for r in rows if r["variant"] == "gemms"}
     for r in rows:
-        shape = f"{r['t']} x {r['d']} x {r['v']}"
-        if "error" in r:
-            lines.append(f"| {shape} | {r['variant']} | {r['error'][:80]} | | | | | |")
-            continue
-        base = gemms.get((r["t"], r["d"], r["v"]))
-        ratio = f"{r['seconds'] / base:.3f}" if base else ""
-        loss = "" if r["variant"] == "gemms" else f"{r['loss']:.4f}"
-        lines.append(
-            f"| {shape} | {r['variant']} | {r['seconds'] * 1e3:.1f} | {ratio} "
-            f"| {r['temp_bytes'] / GB:.2f} | {(r['temp_bytes'] + r['output_bytes']) / GB:.2f} "
-            f"| {gigabytes(r['peak_bytes'])} | {loss} |"
-        )
+        cells = [
+            f"{r['tokens']} x {r['hidden']} x {r['vocab']}",
+            r["dtype"],
+            r["variant_set"],
+        ]
+        for v in VARIANTS:
+            cells.append(f"{r[f'{v}_ms']:.2f}" if f"{v}_ms" in r else "failed")
+        for k in ("fused_over_gemms", "fused_over_unfused", "fused_over_xla"):
+            cells.append(f"{r[k]:.3f}" if k in r else "-")
+        temps = [r.get(f"{v}_temp_gb") for v in ("fused", "unfused", "xla")]
+        cells.append(" / ".join("-" if x is None else f"{x:.2f}" for x in temps))
+        cells.append({True: "yes", False: "no"}.get(r.get("meets"), "-"))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def plot(rows, path: pathlib.Path):
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    shapes = list(dict.fromkeys((r["t"], r["d"], r["v"]) for r in rows))
-    variants = list(dict.fromkeys(r["variant"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(variants)
-    for i, variant in enumerate(variants):
-        got = {(r["t"], r["d"], r["v"]): r for r in rows if r["variant"] == variant}
-        for ax, key in zip(axes, ("seconds", "peak_bytes"), strict=True):
-            values = [got.get(s, {}).get(key, np.nan) for s in shapes]
-            scale = 1e3 if key == "seconds" else 1 / GB
-            xs = np.arange(len(shapes)) + i * width
-            ax.bar(xs, np.asarray(values, float) * scale, width, label=variant)
-    labels = [f"{t}x{d}x{v}" for t, d, v in shapes]
-    for ax, title in zip(axes, ("time (ms)", "peak device memory (GB)"), strict=True):
-        ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, labels, rotation=20, fontsize=8)
-        ax.set_title(title)
-    axes[0].legend(fontsize=8)
-    fig.suptitle("mean CE(h @ W) and its gradients, bf16, one H200")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def sharded(shapes, reps, out: pathlib.Path):
@@ -323,22 +295,23 @@ def sharded_table(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def specs(t, d, v):
-    """Shape-dtype structs of ``inputs(t, d, v)``."""
+def specs(t, d, v, dtype="bfloat16"):
+    """Shape-dtype structs of ``inputs(t, d, v, dtype)``."""
     return (
-        jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t, d), dtype),
+        jax.ShapeDtypeStruct((d, v), dtype),
         jax.ShapeDtypeStruct((t,), jnp.int32),
     )
 
 
 def prebuild_cases():
     """(fn, shape-dtype structs) whose kernels the GPU runs of this script launch."""
-    for t, d, v in [*SHAPES, OOM_SHAPE]:
-        yield loss_fn("unfused"), specs(t, d, v)
-        yield jax.value_and_grad(loss_fn("unfused")), specs(t, d, v)
-        yield jax.value_and_grad(loss_fn("fused"), argnums=(0, 1)), specs(t, d, v)
-        yield jax.value_and_grad(loss_fn("logprobs_fused"), argnums=(0, 1)), specs(t, d, v)
+    for (t, d, v), dtype in [(s, dt) for s in SHAPES for dt in DTYPES] + [(OOM_SHAPE, DTYPES[0])]:
+        for variant in ("fused", "unfused"):
+            yield jax.value_and_grad(ce_loss(variant), argnums=(0, 1)), specs(t, d, v, dtype)
+    for (t, d, v), dtype in [(s, dt) for s in GRPO_SHAPES for dt in DTYPES]:
+        for variant in ("fused", "unfused"):
+            yield jax.value_and_grad(grpo_loss(variant), argnums=(0, 1)), specs(t, d, v, dtype)
     for t, d, v in SHARDED_SHAPES:
         # on two GPUs each chunk's slice of the vocabulary: its lse, then the backward kernel
         def per_row(logits, labels):
@@ -355,35 +328,34 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."))
-    parser.add_argument(
-        "--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS + LOGPROB_VARIANTS
-    )
-    parser.add_argument("--chunks", nargs="*", type=int, default=[], help="fused@N rows")
+    parser.add_argument("--sets", nargs="+", default=list(SETS), choices=SETS)
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--shapes", nargs="*", type=int, help="T d V triples (default: SHAPES)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--oom", action="store_true", help="only the out-of-memory row")
     parser.add_argument("--sharded", action="store_true", help="vocab-parallel on every GPU")
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # variant T d V
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # dtype set T d V
     args = parser.parse_args(argv)
     if args.child:
-        variant, *shape = args.child
-        print(json.dumps(child(tuple(map(int, shape)), variant, args.reps)))
+        dtype, variant_set, *shape = args.child
+        row = child(tuple(map(int, shape)), dtype, variant_set, args.reps, args.variants)
+        print(json.dumps(row))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    shapes = SHARDED_SHAPES if args.sharded else SHAPES
-    if args.shapes:
-        shapes = [tuple(args.shapes[i : i + 3]) for i in range(0, len(args.shapes), 3)]
     if args.sharded:
-        sharded(shapes, args.reps, args.out)
+        sharded(SHARDED_SHAPES, args.reps, args.out)
         return
-    variants = list(args.variants) + [f"fused@{c}" for c in args.chunks]
-    cases = [(s, v) for s in shapes for v in variants]
-    name = "linear_ce"
+    shapes = {"ce": SHAPES, "grpo": GRPO_SHAPES}
+    if args.shapes:
+        given = [tuple(args.shapes[i : i + 3]) for i in range(0, len(args.shapes), 3)]
+        shapes = dict.fromkeys(SETS, given)
+    cases = [(s, d, vs) for vs in args.sets for s in shapes[vs] for d in args.dtypes]
+    name, variants = "linear_ce", args.variants
     if args.oom:
-        cases, name = [(OOM_SHAPE, v) for v in ("xla", "fused")], "linear_ce_oom"
-    rows = run_all(cases, args.reps, args.out / f"{name}.json")
+        cases, name, variants = [(OOM_SHAPE, "bfloat16", "ce")], "linear_ce_oom", ["xla", "fused"]
+    rows = run_all(cases, args.reps, args.out / f"{name}.json", variants)
     (args.out / f"{name}.md").write_text(table(rows))
-    plot(rows, args.out / f"{name}.png")
     print(table(rows))
 
 

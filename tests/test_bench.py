@@ -218,3 +218,25 @@ def test_every_tuned_kernel_runs_on_its_candidates(name):
         out = jax.jit(t.fn)(*jax.jit(t.prepare)(*arguments))
         for leaf in jax.tree.leaves(out):
             assert jnp.all(jnp.isfinite(leaf)), (name, t.name)
+
+
+def test_linear_ce_rows_hold_every_variant_of_a_set(tmp_path, monkeypatch):
+    """benchmarks/linear_ce.py: one row per shape, dtype and set, every variant timed in
+    the row's own process, with its temporaries and loss, and the targets read off."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parent.parent / "benchmarks"))
+    import linear_ce
+
+    args = ["--out", str(tmp_path), "--shapes", "64", "16", "100", "--dtypes", "float32"]
+    linear_ce.main([*args, "--reps", "1"])
+    rows = json.loads((tmp_path / "linear_ce.json").read_text())["rows"]
+    assert [(r["variant_set"], r["tokens"], r["vocab"], r["dtype"]) for r in rows] == [
+        ("ce", 64, 100, "float32"),
+        ("grpo", 64, 100, "float32"),
+    ]
+    for row in rows:
+        for variant in linear_ce.VARIANTS:
+            assert row[f"{variant}_ms"] > 0 and row[f"{variant}_temp_gb"] >= 0
+        losses = [row[f"{v}_loss"] for v in ("fused", "unfused", "xla")]
+        assert max(losses) - min(losses) <= 1e-4 * (1 + abs(losses[0])), losses
+        assert isinstance(row["meets"], bool) and row["fused_over_gemms"] > 0
+    assert "| 64 x 16 x 100 | float32 | grpo |" in (tmp_path / "linear_ce.md").read_text()
