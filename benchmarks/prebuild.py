@@ -216,7 +216,7 @@ def main():
         families = [name for name in args.only if name not in SCRIPTS]
         scripts = [name for name in args.only if name in SCRIPTS]
         lowerings = (test_lowerings(families) if families else []) + script_lowerings(scripts)
-        lower_for_cuda(lowerings, "the GPU tests of " + ", ".join(args.only))
+        lower_for_cuda(lowerings, "the kernels of " + ", ".join(args.only))
         return
     tune = [] if args.tune is None else args.tune or list(BENCH_OPS)
     kernels = build_lowered(tune)
