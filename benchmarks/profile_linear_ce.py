@@ -5,7 +5,8 @@
 For each shape (bfloat16 h and W (d, V), ``value_and_grad`` of the mean loss for h and W)
 it times, in the same process, median of ``--reps`` calls after a warm-up:
 
-- ``gemms``: the three GEMMs alone over the whole T (the floor);
+- ``gemms``: the three GEMMs alone over the whole T (the floor); ``gemms_padded``: the
+  same with the weight padded to a multiple of 64 columns;
 - ``gemms_chunked@N``: the same three GEMMs in ``linear_cross_entropy``'s loop of chunks
   of N rows, dW accumulated in float32 over the chunks as the op does it, no
   cross-entropy: the cost of chunking and of the accumulator apart from the loss;
@@ -76,6 +77,15 @@ def gemms_chunked(chunk: int):
     return jax.jit(fn)
 
 
+def gemms_padded(h, w, labels):
+    """The three GEMMs with the weight padded to a multiple of 64 columns, as
+    ``linear_cross_entropy`` pads a misaligned vocabulary."""
+    v = w.shape[1]
+    w = jnp.pad(w, ((0, 0), (0, -v % 64)))
+    logits = h @ w
+    return jnp.zeros((), jnp.float32), (logits @ w.T, (h.T @ logits)[:, :v])
+
+
 def fused(chunk: int | None):
     def loss(h, w, labels):
         return quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk)
@@ -84,7 +94,8 @@ def fused(chunk: int | None):
 
 
 def variants(chunks):
-    out = {"gemms": linear_ce.step("gemms"), "unfused": linear_ce.step("unfused")}
+    out = {"gemms": linear_ce.step("gemms"), "gemms_padded": jax.jit(gemms_padded)}
+    out["unfused"] = linear_ce.step("unfused")
     out |= {f"gemms_chunked@{c}": gemms_chunked(c) for c in chunks}
     out["fused"] = fused(None)
     out |= {f"fused@{c}": fused(c) for c in chunks}

@@ -465,6 +465,28 @@ def unfused(h, w, labels):
 
 MEMORY_V = 32000  # a vocabulary of the grid
 
+# vocabularies that are not a multiple of 8: the GEMMs take the weight padded with zeros
+ODD_V = dict(cpu=997, gpu=50257)
+
+
+@pytest.mark.parametrize("transpose", (False, True))
+@pytest.mark.parametrize("reduction", ("mean", "none"))
+@pytest.mark.parametrize("backend", backends())
+def test_a_misaligned_vocabulary_pads_only_the_gemms(backend, reduction, transpose):
+    """Values and gradients of the vocabulary alone, as the reference's: the padding's
+    zero logits never reach the loss, lse or label smoothing's mean, and dW and the bias
+    gradient keep the weight's shape. The GEMMs take the padded weight (of a multiple of
+    64 rows or columns)."""
+    v = ODD_V[backend]
+    h, w, bias, labels, g, g_lse = draw(v=v, transpose=transpose, tag=("odd",))
+    opts = dict(reduction=reduction, transpose_weight=transpose, chunk_size=16)
+    opts |= dict(label_smoothing=0.1, return_lse=reduction == "none")
+    _, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
+    assert grads["weight"].shape == w.shape and grads["bias"].shape == bias.shape
+    padded = -(-v // 64) * 64
+    text = jax.jit(loss_and_grads(ALL, **opts)).lower(h, w, bias, labels, g, g_lse).as_text()
+    assert re.search(rf"dot_general.*{padded}", text), "no GEMM over the padded vocabulary"
+
 
 def compiled_bytes(fn, t, d, v):
     """temp + output bytes of the compiled value_and_grad (of h and W) in bfloat16."""
@@ -597,7 +619,9 @@ def test_implementation_xla(backend, options):
 
 def test_gpu_vocabularies_are_built():
     """The gpu tests' vocabularies beyond the grid (the smaller cases', the special
-    values', the memory tests', the in-place test's) are among those the SPEC's
-    lowerings build, with every kernel variant: prebuild builds no others."""
+    values', the memory tests', the misaligned one's, the in-place test's) are among
+    those the SPEC's lowerings build, with every kernel variant: prebuild builds no
+    others."""
     lengths = set(specs()["linear_cross_entropy"].tests["gpu"].lengths)
-    assert {V, SPECIAL_V["gpu"], MEMORY_V, inplace_case("float32", False)[2][2]} <= lengths
+    odd, inplace = ODD_V["gpu"], inplace_case("float32", False)[2][2]
+    assert {V, SPECIAL_V["gpu"], MEMORY_V, odd, inplace} <= lengths

@@ -63,9 +63,13 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
     t, stat = h.shape[0], compute_dtype(linear.preferred_element_type)
     grads = gradient_names(mode, needs)
     vocab = linear.vocab(w)
+    # the GEMMs' weight (and bias), padded where the vocabulary is misaligned; the
+    # cross-entropy sees the logits of the vocabulary alone
+    w, bias = linear.padded(w, bias)
+    padding = linear.vocab(w) - vocab
     stats = stat_names(entropy)
     shapes = {k: ((t,), stat) for k in stats} | {"dh": ((t, d), h.dtype)}
-    shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab,), jnp.float32)}
+    shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab + padding,), jnp.float32)}
     # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
     # written by the first chunk
     results = stats * (mode != "backward") + ("dh",) * ("dh" in grads)
@@ -85,7 +89,7 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
             return lax.dynamic_slice_in_dim(a, start, size)
 
         hc = rows(h)
-        logits = linear.logits(hc, w, bias)
+        logits = linear.logits(hc, w, bias)[:, :vocab]
         # the per-row gradient coefficients: the weights in "grad"; a, b, c after the
         # statistics in "backward"
         kept = 2 if mode == "backward" else 0
@@ -104,7 +108,7 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
             if not grads:
                 return carry
             (dlogits,) = outs[len(stats) :]
-        dlogits = dlogits.astype(h.dtype)
+        dlogits = jnp.pad(dlogits.astype(h.dtype), ((0, 0), (0, padding)))
         carry = dict(carry)
         if "dh" in grads:
             dh = linear.dh(dlogits, w)
@@ -123,6 +127,11 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
         carry = lax.fori_loop(1, chunks, step, step(0, carry))
     else:
         carry |= {k: varying_like(h, jnp.zeros(*shapes[k])) for k in grads if k not in carry}
+    if "dw" in carry:  # of the vocabulary alone, then summed over the rows' devices
+        axis = 0 if linear.transpose_weight else 1
+        carry["dw"] = lax.slice_in_dim(carry["dw"], 0, vocab, axis=axis)
+    if "db" in carry:
+        carry["db"] = carry["db"][:vocab]
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)

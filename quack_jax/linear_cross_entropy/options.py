@@ -24,6 +24,12 @@ CHUNK_BYTES = 1 << 30
 CHUNK_FREE_FRACTION = 1 / 8
 CHUNK_MULTIPLE = 128
 _PRECISIONS = tuple(p.name for p in lax.Precision)
+# a vocabulary that is not a multiple of ALIGNED_VOCAB (GPT-2's 50257) leaves the rows of
+# the weight and of the logits misaligned for the tensor cores, and cuBLAS's GEMMs run at
+# a third of their speed; the GEMMs then take the weight padded with zeros to a multiple
+# of PADDED_VOCAB (docs/decisions/023-padded-vocabulary.md)
+ALIGNED_VOCAB = 8
+PADDED_VOCAB = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +52,16 @@ class LinearOptions:
 
     def vocab(self, w) -> int:
         return w.shape[0 if self.transpose_weight else 1]
+
+    def padded(self, w, bias):
+        """The weight and the bias as the GEMMs take them: with zeros appended along the
+        vocabulary up to a multiple of PADDED_VOCAB where it is not a multiple of
+        ALIGNED_VOCAB; as they are otherwise."""
+        extra = -self.vocab(w) % PADDED_VOCAB if self.vocab(w) % ALIGNED_VOCAB else 0
+        if not extra:
+            return w, bias
+        widths = ((0, extra), (0, 0)) if self.transpose_weight else ((0, 0), (0, extra))
+        return jnp.pad(w, widths), None if bias is None else jnp.pad(bias, (0, extra))
 
     def logits(self, h, w, bias):
         dtype = self.preferred_element_type
