@@ -89,7 +89,8 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
             return lax.dynamic_slice_in_dim(a, start, size)
 
         hc = rows(h)
-        logits = linear.logits(hc, w, bias)[:, :vocab]
+        logits = linear.logits(hc, w, bias)
+        logits = logits[:, :vocab] if padding else logits
         # the per-row gradient coefficients: the weights in "grad"; a, b, c after the
         # statistics in "backward"
         kept = 2 if mode == "backward" else 0
@@ -108,7 +109,8 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
             if not grads:
                 return carry
             (dlogits,) = outs[len(stats) :]
-        dlogits = jnp.pad(dlogits.astype(h.dtype), ((0, 0), (0, padding)))
+        dlogits = dlogits.astype(h.dtype)
+        dlogits = jnp.pad(dlogits, ((0, 0), (0, padding))) if padding else dlogits
         carry = dict(carry)
         if "dh" in grads:
             dh = linear.dh(dlogits, w)
@@ -127,10 +129,10 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
         carry = lax.fori_loop(1, chunks, step, step(0, carry))
     else:
         carry |= {k: varying_like(h, jnp.zeros(*shapes[k])) for k in grads if k not in carry}
-    if "dw" in carry:  # of the vocabulary alone, then summed over the rows' devices
+    if padding and "dw" in carry:  # of the vocabulary alone, then summed over devices
         axis = 0 if linear.transpose_weight else 1
         carry["dw"] = lax.slice_in_dim(carry["dw"], 0, vocab, axis=axis)
-    if "db" in carry:
+    if padding and "db" in carry:
         carry["db"] = carry["db"][:vocab]
     for k in ("dw", "db"):
         if k in carry and data_axes:
