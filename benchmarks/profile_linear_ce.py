@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
-import gzip
 import json
 import pathlib
 import re
@@ -39,13 +38,13 @@ from jax import lax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import linear_ce
+from device_trace import kernel_kind, traced_events
 
 import quack_jax
 
 SHAPES = [(16384, 4096, 128256), (8192, 2304, 256000)]
 CHUNKS = (2048, 4096, 8192)
 F32 = jnp.float32
-GEMM = re.compile(r"gemm|xmma|nvjet|cublas|cutlass.*_tn|sm90_", re.I)
 
 
 def gemms_chunked(chunk: int):
@@ -102,37 +101,13 @@ def variants(chunks):
     return out
 
 
-def kind(name: str) -> str:
-    if name.startswith("kernel_"):
-        return "quack_jax"
-    if GEMM.search(name):
-        return "gemm"
-    if re.search(r"memcpy|memset|copy", name, re.I):
-        return "copy"
-    return "fusion"
-
-
 def device_kernels(fn, args):
     """(name, start µs, duration µs) of every kernel one call runs, from a jax.profiler
-    trace (its Perfetto JSON)."""
+    trace."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder, create_perfetto_trace=True):
-            jax.block_until_ready(fn(*args))
-        path = next(pathlib.Path(folder).rglob("*.trace.json.gz"))
-        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    gpu = {
-        e["pid"]
-        for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and "/device:GPU" in str(e.get("args", {}).get("name", ""))
-    }
-    return [
-        (e["name"], float(e["ts"]), float(e.get("dur", 0)))
-        for e in events
-        if e.get("ph") == "X" and e.get("pid") in gpu and e.get("dur") is not None
-    ]
+        events = traced_events(lambda: jax.block_until_ready(fn(*args)), folder)
+    return [(e["name"], float(e["ts"]), float(e["dur"])) for e in events if "dur" in e]
 
 
 def breakdown(kernels) -> dict:
@@ -143,7 +118,7 @@ def breakdown(kernels) -> dict:
     by_name = collections.Counter()
     counts = collections.Counter()
     for name, _, dur in kernels:
-        by_kind[kind(name)] += dur
+        by_kind[kernel_kind(name) or "fusion"] += dur
         short = re.sub(r"\d+", "#", name)[:90]
         by_name[short] += dur
         counts[short] += 1

@@ -42,8 +42,8 @@ step times). ``--profile`` also traces a few steps of each variant in one more p
 (with XLA's command buffers off, so that each kernel is tied to its instruction) and
 reports the device time of each part of the model (by ``jax.named_scope``; the fused
 variant's head and loss are one part, "lm_head_cross_entropy"), and by kernel kind
-(``KINDS``): GEMMs, attention, quack_jax's kernels, copies, and XLA's fusions by the
-model part they compute.
+(``device_trace.KINDS``): GEMMs, attention, quack_jax's kernels, copies, and XLA's
+fusions by the model part they compute.
 
 ``--max-batch``: before training, each variant's process also finds the largest batch
 (sequences per step) whose jitted train step fits the device memory, without running
@@ -62,7 +62,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import gzip
 import json
 import os
 import pathlib
@@ -75,6 +74,7 @@ import tempfile
 import time
 
 import numpy as np
+from device_trace import kernel_kind, traced_events  # beside this script
 
 VARIANTS = ("stock", "quack", "quack_jax_fused")
 QUACK_VARIANTS = ("quack", "quack_jax_fused")  # quack_jax's norm and softmax
@@ -663,29 +663,16 @@ def profile(one_step, compiled_text: str, log_dir, steps: int = 3) -> dict:
     for m in map(INSTRUCTION.match, compiled_text.splitlines()):
         if m:  # kernels are named after their instruction, with "_" for "."
             scopes[m.group(1)] = scopes[m.group(1).replace(".", "_")] = scope_of(m.group(2))
-    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
-        jax.block_until_ready([one_step() for _ in range(steps)])
-    (path,) = pathlib.Path(log_dir).rglob("*perfetto_trace.json.gz")
-    events = json.loads(gzip.decompress(path.read_bytes()))
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    processes = {
-        e.get("pid"): e["args"].get("name", "")
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
-    gpus = {pid for pid, name in processes.items() if name.startswith("/device:GPU")}
-    timed = [
-        e
-        for e in events
-        if e.get("ph") == "X" and (e.get("pid") in gpus if gpus else "hlo_op" in e.get("args", {}))
-    ]
+    timed = traced_events(
+        lambda: jax.block_until_ready([one_step() for _ in range(steps)]), log_dir
+    )
     totals, kinds = collections.Counter(), collections.Counter()
     for e in timed:
         args = e.get("args", {})
         names = (args.get("hlo_op"), e.get("name"), args.get("long_name", "").split(" = ")[0])
         part = next((scopes[n] for n in names if n in scopes), scope_of(args.get("tf_op", "")))
         totals[part] += e.get("dur", 0.0)
-        kinds[kernel_kind(e.get("name", ""), part)] += e.get("dur", 0.0)
+        kinds[kernel_kind(e.get("name", "")) or f"fusion: {part}"] += e.get("dur", 0.0)
     whole = sum(totals.values()) or 1.0
     busy = max(len({e.get("pid") for e in timed}), 1)  # devices that ran the steps
 
@@ -695,21 +682,6 @@ def profile(one_step, compiled_text: str, log_dir, steps: int = 3) -> dict:
         }
 
     return shares(totals), shares(kinds)
-
-
-# a device kernel's kind, by its name: cuBLAS's and XLA's GEMMs, cuDNN's attention,
-# quack_jax's kernels (their symbols start "kernel_"), copies; any other is one of XLA's
-# fusions, counted by the model part it computes
-KINDS = (
-    ("quack_jax", re.compile(r"^kernel_")),
-    ("attention", re.compile(r"cudnn|fmha|flash|sdpa", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cublas|cutlass", re.I)),
-    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
-)
-
-
-def kernel_kind(name: str, part: str) -> str:
-    return next((k for k, pattern in KINDS if pattern.search(name)), f"fusion: {part}")
 
 
 # -- driver -----------------------------------------------------------------------------
