@@ -57,6 +57,12 @@ def grid(op, *, special=False, dtypes=None, backends=BACKENDS):
     return out
 
 
+def gpu_lengths(op) -> set[int]:
+    """The row lengths at which the SPEC of ``op``'s family builds the kernels its gpu
+    tests launch (``benchmarks/prebuild.py`` builds no others)."""
+    return set(specs()[op].tests["gpu"].lengths)
+
+
 def key_for(*parts):
     return jax.random.key(SEED ^ zlib.crc32(repr(parts).encode()))
 

@@ -28,6 +28,7 @@ from checks import (
     assert_close,
     backend_param,
     backends,
+    gpu_lengths,
     grid,
     key_for,
     run,
@@ -742,4 +743,4 @@ def test_small_gpu_lengths_are_built():
     """The row lengths of the small tests (the optax alias's 3 classes, the label and
     axis tests' 10, SMALL_N) are among those the SPEC's lowerings build for the gpu
     tests: prebuild builds no others."""
-    assert {3, 10, SMALL_N} <= set(specs()["cross_entropy"].tests["gpu"].lengths)
+    assert {3, 10, SMALL_N} <= gpu_lengths("cross_entropy")

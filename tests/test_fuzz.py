@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import assert_close, backends
+from checks import assert_close, backends, gpu_lengths
 from test_cross_entropy import reference_rows
 from test_norm import jax64_grads, np_h, np_norm, np_stats
 
@@ -311,5 +311,5 @@ def test_gpu_draws_are_built():
     """The GPU runs draw only row lengths whose kernels the families' SPECs build."""
     assert set(GPU_SIZES["norm"]) <= set(MIX_SIZES)
     for family, op in (("softmax", "softmax"), ("ce", "cross_entropy")):
-        assert set(GPU_SIZES[family]) <= set(specs()[op].tests["gpu"].lengths)
+        assert set(GPU_SIZES[family]) <= gpu_lengths(op)
     assert set(CE_DTYPES["gpu"]) <= set(specs()["cross_entropy"].tests["gpu"].dtypes)

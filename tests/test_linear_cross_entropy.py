@@ -23,11 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import TOL, assert_close, backends, grid, key_for, run
+from checks import TOL, assert_close, backends, gpu_lengths, grid, key_for, run
 
 import quack_jax
 from quack_jax import _ffi
-from quack_jax._registry import specs
 
 IGNORE = -100
 D, CHUNK = 64, 128  # the grid's hidden size and chunk: T = 300 is two whole chunks and a part
@@ -622,6 +621,6 @@ def test_gpu_vocabularies_are_built():
     values', the memory tests', the misaligned one's, the in-place test's) are among
     those the SPEC's lowerings build, with every kernel variant: prebuild builds no
     others."""
-    lengths = set(specs()["linear_cross_entropy"].tests["gpu"].lengths)
+    lengths = gpu_lengths("linear_cross_entropy")
     odd, inplace = ODD_V["gpu"], inplace_case("float32", False)[2][2]
     assert {V, SPECIAL_V["gpu"], MEMORY_V, odd, inplace} <= lengths
