@@ -20,7 +20,7 @@ from test_norm import jax64_grads, np_h, np_norm, np_stats
 
 import quack_jax
 from quack_jax._registry import specs
-from quack_jax.norm.spec import MIX_SIZES, OPERAND_MIXES
+from quack_jax.norm.spec import MIX_SIZES, OPERAND_MIXES, forward
 
 hypothesis = pytest.importorskip("hypothesis")
 st = hypothesis.strategies
@@ -109,15 +109,10 @@ def softmax_program(log):
 
 
 def norm_program(rms, mix):
-    fn = quack_jax.rms_norm if rms else quack_jax.layer_norm
+    norm = forward("rms_norm" if rms else "layer_norm", mix)
 
     def program(x, w, b, r, dy, dh):
-        def f(x, w, b):
-            params = (w,) if rms else (w, b)
-            options = dict(prenorm=mix.prenorm, weight_offset=mix.offset, out_dtype=mix.out)
-            return fn(x, *params, eps=mix.eps, residual=r, **options)
-
-        out, vjp = jax.vjp(f, x, w, b)
+        out, vjp = jax.vjp(lambda x, w, b: norm(x, w, b, r), x, w, b)
         y, h = out if mix.prenorm else (out, None)
         return y, h, *vjp((dy, dh) if mix.prenorm else dy)
 
