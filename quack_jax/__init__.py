@@ -12,7 +12,11 @@ from .cross_entropy import (
     softmax_cross_entropy_with_integer_labels,
     token_logprobs,
 )
-from .linear_cross_entropy import linear_cross_entropy, linear_token_logprobs
+from .linear_cross_entropy import (
+    linear_cross_entropy,
+    linear_token_logprobs,
+    linear_token_loss,
+)
 from .norm import layer_norm, rms_norm
 from .softmax import log_softmax, softmax
 
@@ -27,6 +31,7 @@ __all__ = [
     "layer_norm",
     "linear_cross_entropy",
     "linear_token_logprobs",
+    "linear_token_loss",
     "log_softmax",
     "rms_norm",
     "softmax",

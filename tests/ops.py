@@ -13,6 +13,7 @@ terms that make each element (what ``checks.assert_close`` judges its error agai
 """
 
 import dataclasses
+import functools
 import inspect
 from typing import ClassVar
 
@@ -597,7 +598,7 @@ class TokenLogprobs(Op):
         ]
 
 
-# -- linear_cross_entropy, linear_token_logprobs ------------------------------------------------
+# -- linear_cross_entropy, linear_token_logprobs, linear_token_loss --------------------------------
 
 
 def _precision(h):
@@ -774,7 +775,7 @@ class LinearTokenLogprobs(Linear):
             "weight": (h2.T @ dz_value, np.abs(h2).T @ dz_mag),
             "bias": (dz_value.sum(0), dz_mag.sum(0)),
         }
-        for k in self.grads(options):
+        for k in Linear.grads(self, options):
             value, mag = grads[k]
             shape = a[k].shape
             ref[f"d{k}"] = Want(value.reshape(shape), mag.reshape(shape), a[k].dtype.name, tol)
@@ -790,6 +791,116 @@ class LinearTokenLogprobs(Linear):
         ]
 
 
+def _args_by_keyword(fn):
+    """``fn(h, weight, labels, loss_fn, *args, **options)`` called with ``args=`` (a
+    tuple) as a keyword, as the contract calls every op; its signature is ``fn``'s."""
+
+    @functools.wraps(fn)
+    def call(h, weight, labels, loss_fn=None, args=(), **options):
+        return fn(h, weight, labels, loss_fn, *args, **options)
+
+    return call
+
+
+def _weighted(logp, entropy, a, b):
+    """A token loss whose gradients are linear_token_logprobs' for cotangents a and b."""
+    return a * logp + b * entropy
+
+
+def _weighted_logp(logp, entropy, a):
+    return a * logp
+
+
+LTLOSS_OPTIONS = {k: v for k, v in LTL_OPTIONS.items() if k != "return_entropy"}
+
+
+class LinearTokenLoss(LinearTokenLogprobs):
+    """The sum of ``g_logp * logp`` (without options) and ``+ g_h * entropy`` (with
+    them, and a bias, ignored rows, chunks of 4 rows, a temperature and a softcap), whose
+    gradients by h, the weight and the bias are linear_token_logprobs' for those
+    cotangents (times SCALE), and by g_logp and g_h are logp and the entropy."""
+
+    def __init__(self, name):
+        super().__init__(name)
+        self.fn = _args_by_keyword(self.fn)
+
+    def forward(self, a, options):
+        h, w = a["h"], a["weight"]
+        precision = _precision(h)
+        if not options:
+            loss = self.fn(h, w, a["labels"], _weighted_logp, (a["g_logp"],), precision=precision)
+        else:
+            args = (a["g_logp"], a["g_h"])
+            loss = self.fn(
+                h,
+                w,
+                _with_ignored(a),
+                _weighted,
+                args,
+                bias=a["bias"],
+                precision=precision,
+                **LTLOSS_OPTIONS,
+            )
+        return {"loss": loss}
+
+    def grads(self, options):
+        return (*super().grads(options), "g_logp", *(("g_h",) if options else ()))
+
+    def cotangent(self, output, options):
+        return None
+
+    def reference(self, a, options):
+        scaled = dict(a, g_logp=SCALE * a["g_logp"], g_h=SCALE * a["g_h"] * options)
+        ref = super().reference(scaled, options)
+        logp, entropy = ref.pop("logp"), ref.pop("entropy", None)
+        g = {k: np.asarray(a[k], np.float64) for k in ("g_logp", "g_h")}
+        value, mag = np.sum(g["g_logp"] * logp.value), np.sum(np.abs(g["g_logp"]) * logp.mag)
+        if options:
+            value = value + np.sum(g["g_h"] * entropy.value)
+            mag = mag + np.sum(np.abs(g["g_h"]) * entropy.mag)
+        ref["loss"] = Want(value, mag, logp.dtype)
+        dtype = a["g_logp"].dtype.name
+        ref["dg_logp"] = Want(SCALE * logp.value, SCALE * logp.mag, dtype)
+        if options:
+            ref["dg_h"] = Want(SCALE * entropy.value, SCALE * entropy.mag, dtype)
+        return ref
+
+    def bad_arguments(self):
+        return dict(super().bad_arguments(), loss_fn=_weighted_logp, args=(np.ones(4, np.float32),))
+
+    def bad(self):
+        inherited = [case for case in super().bad() if "return_entropy" not in case[0]]
+        one = np.ones(4, np.float32)
+        return [
+            *inherited,
+            (dict(loss_fn=3), TypeError, "loss_fn must be callable, got int"),
+            (
+                dict(loss_fn=lambda logp, entropy, a: jnp.stack([a, logp])),
+                TypeError,
+                "loss_fn(logp, entropy, *args) must return a float scalar for one token, "
+                "got shape (2,), float32",
+            ),
+            (
+                dict(loss_fn=lambda logp, entropy, a: a > logp),
+                TypeError,
+                "loss_fn(logp, entropy, *args) must return a float scalar for one token, "
+                "got shape (), bool",
+            ),
+            (
+                dict(args=(np.ones(5, np.float32),)),
+                ValueError,
+                "args[0] must have labels' shape (4,) (one value per token), got (5,)",
+            ),
+            (dict(args=([1.0] * 4,)), TypeError, "args[0] must be an array of labels' shape"),
+            (
+                dict(args=(one, one)),
+                TypeError,
+                "loss_fn(logp, entropy, *args) failed on one token's scalars, with 2 "
+                "per-token argument(s): TypeError: _weighted_logp() takes 3 positional",
+            ),
+        ]
+
+
 TOKEN_LOGPROBS = TokenLogprobs("token_logprobs")
 OPS = [
     Softmax("softmax"),
@@ -800,4 +911,5 @@ OPS = [
     TOKEN_LOGPROBS,
     LinearCrossEntropy("linear_cross_entropy"),
     LinearTokenLogprobs("linear_token_logprobs"),
+    LinearTokenLoss("linear_token_loss"),
 ]

@@ -546,3 +546,49 @@ def test_gpu_lengths_are_built():
         assert {size("gpu", op), UNEVEN["gpu"][2]} <= lengths, op
     ce = gpu_lengths("cross_entropy")
     assert {SIZES["gpu"]["cross_entropy"] // 2, VOCAB, VOCAB // 2} <= ce
+
+
+@pytest.mark.parametrize("layout", ["vocab-8", "2x4", "2x4-transposed"])
+def test_linear_token_loss_vocab_split_matches_one_device(layout):
+    """linear_token_loss with the vocabulary (and rows) split on the host devices: each
+    device's slice of each chunk combines the row statistics, so that every device takes
+    the same per-token cotangents; the loss and the gradients of h, the weight and a
+    per-token argument are those on one device, and no logits are gathered."""
+    shape, axes, h_spec, w_spec, transpose = LCE_LAYOUTS[layout]
+    mesh = jax.make_mesh(shape, axes, devices=jax.devices("cpu")[:8])
+    t, d, v = 64, lce.HIDDEN, lce.V
+    h, w, _, labels, advantage, _ = lce.draw(t, d, v, transpose=transpose, ignored=0.1)
+
+    def per_token(logp, entropy, advantage):
+        ratio = jnp.exp(logp + 6.0)
+        return (
+            -jnp.minimum(ratio * advantage, jnp.clip(ratio, 0.8, 1.2) * advantage) + 0.01 * entropy
+        )
+
+    def loss(h, w, advantage):
+        return quack_jax.linear_token_loss(
+            h,
+            w,
+            labels,
+            per_token,
+            advantage,
+            transpose_weight=transpose,
+            chunk_size=12,
+            temperature=0.7,
+            ignore_index=lce.IGNORE,
+            precision="highest",
+        )
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    row_axis = h_spec[0] if len(h_spec) else None
+    specs = (h_spec, w_spec, P(row_axis))
+    args = (h, w, advantage)
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs, strict=True)]
+    text = f.lower(*sharded).compile().as_text()
+    assert not [c for c in GATHERS if c in text], layout
+    value, grads = f(*sharded)
+    want, want_grads = f(*args)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for got, ref, x in zip(grads, want_grads, sharded, strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6 * np.abs(ref).max())
+        assert got.sharding.is_equivalent_to(x.sharding, x.ndim)

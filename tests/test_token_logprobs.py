@@ -271,3 +271,98 @@ def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose):
         ref = np.asarray(ref, np.float32)
         mag = np.abs(ref) + np.max(np.abs(ref))  # dh, dW: sums of terms of either sign
         assert_close(got, ref, mag, dtype if what[0] == "d" else "float32", what)
+
+
+def _clipped_policy_loss(logp, entropy, advantage, old_logp, weight, kept):
+    """A token's PPO/GRPO-style loss: the clipped ratio times the advantage, an entropy
+    bonus, a float weight (a mean's share) and an integer mask."""
+    ratio = jnp.exp(logp - old_logp)
+    clipped = jnp.minimum(ratio * advantage, jnp.clip(ratio, 0.8, 1.2) * advantage)
+    return jnp.where(kept > 0, -weight * (clipped + 0.01 * entropy), 0.0)
+
+
+@pytest.mark.parametrize("transpose", (False, True))
+@pytest.mark.parametrize(
+    ("backend", "dtype"),
+    [backend_param(b, d) for b in ("cpu", "gpu") for d in ("float32", "bfloat16")],
+)
+def test_linear_token_loss_matches_the_composition(backend, dtype, transpose):
+    """linear_token_loss of a clipped policy loss, in chunks (two whole and a part), gives
+    the sum of the loss over linear_token_logprobs of the whole float32 logits (its XLA
+    formulation), and the same gradients of h, W, the bias and the float per-token
+    arguments; it launches the forward and the backward kernel in each loop body."""
+    t, d, v = 300, 64, 1000
+    keys = jax.random.split(key_for("linear token loss", dtype, transpose), 6)
+    h = jax.random.normal(keys[0], (t, d), dtype)
+    w = (0.3 * jax.random.normal(keys[1], (v, d) if transpose else (d, v))).astype(dtype)
+    bias = (0.1 * jax.random.normal(keys[2], (v,))).astype(dtype)
+    labels = jax.random.randint(keys[3], (t,), 0, v).at[::7].set(IGNORE)
+    advantage = jax.random.normal(keys[4], (t,))
+    old_logp = jnp.log(jax.random.uniform(keys[5], (t,), minval=1e-4, maxval=2e-3))
+    kept = (jnp.arange(t) % 5 != 3).astype(jnp.int32)
+    weight = jnp.full((t,), 1.0 / t)
+    opts = dict(temperature=0.7, ignore_index=IGNORE, logit_softcap=20.0)
+    common = dict(
+        bias=bias,
+        transpose_weight=transpose,
+        preferred_element_type="float32",
+        precision="highest" if dtype == "float32" else None,
+        **opts,
+    )
+
+    def fused(h, w, advantage, old_logp, weight):
+        args = (advantage, old_logp, weight, kept)
+        return quack_jax.linear_token_loss(
+            h, w, labels, _clipped_policy_loss, *args, chunk_size=128, **common
+        )
+
+    def composed(h, w, advantage, old_logp, weight):
+        logp, ent = quack_jax.linear_token_logprobs(
+            h, w, labels, return_entropy=True, implementation="xla", **common
+        )
+        per_token = jax.vmap(_clipped_policy_loss)(logp, ent, advantage, old_logp, weight, kept)
+        return jnp.sum(per_token)
+
+    wrt = (0, 1, 2, 3, 4)
+    args = (h, w, advantage, old_logp, weight)
+    launches = 4 if backend == "gpu" else 0  # forward and backward, in two loop bodies
+    loss, grads = run(backend, jax.value_and_grad(fused, argnums=wrt), *args, launches=launches)
+    with jax.default_device(jax.devices("cpu")[0]):
+        host = [np.asarray(a) for a in args]
+        want, want_grads = jax.value_and_grad(composed, argnums=wrt)(*host)
+    names = ("loss", "dh", "dW", "dadvantage", "dold_logp", "dweight")
+    for got, ref, what in zip((loss, *grads), (want, *want_grads), names, strict=True):
+        ref = np.asarray(ref, np.float32)
+        mag = np.abs(ref) + np.max(np.abs(ref))
+        tol = dtype if what in ("dh", "dW") else "float32"
+        assert_close(got, ref, mag, tol, what)
+
+
+def _gemms(f, *args):
+    return jax.jit(f).lower(*args).as_text().count("stablehlo.dot_general")
+
+
+def test_linear_token_loss_takes_three_gemms_per_chunk():
+    """The token loss's gradients come from the forward pass: three GEMMs in each loop
+    body (the first chunk's and the others'), where the gradient of the same loss
+    through linear_token_logprobs makes each chunk's logits again (four)."""
+    t, d, v = 300, 16, 100
+    h, w = jnp.ones((t, d)), jnp.ones((d, v))
+    labels, advantage = jnp.zeros(t, jnp.int32), jnp.ones(t)
+
+    def per_token(logp, entropy, advantage):
+        return advantage * logp + 0.01 * entropy
+
+    def fused(h, w):
+        return quack_jax.linear_token_loss(h, w, labels, per_token, advantage, chunk_size=128)
+
+    def composed(h, w):
+        logp, ent = quack_jax.linear_token_logprobs(
+            h, w, labels, return_entropy=True, chunk_size=128
+        )
+        return jnp.sum(jax.vmap(per_token)(logp, ent, advantage))
+
+    grads = functools.partial(jax.grad, argnums=(0, 1))
+    assert _gemms(grads(fused), h, w) == 2 * 3
+    assert _gemms(grads(composed), h, w) == 2 * 4
+    assert _gemms(fused, h, w) == 2 * 1  # the value alone: the logits' GEMM

@@ -17,10 +17,11 @@ Where a change goes:
 - ``partition.py``: how XLA partitions it under a sharded ``jit``;
 - ``primitive.py``: the primitive, its shapes, batching and lowering;
 - ``differentiation.py``: the ``custom_vjp``s through which autodiff reaches it;
-- ``api.py``: ``linear_cross_entropy`` and ``linear_token_logprobs``;
+- ``api.py``: ``linear_cross_entropy``, ``linear_token_logprobs`` and
+  ``linear_token_loss``;
 - ``spec.py``: what to build and test.
 """
 
-from .api import linear_cross_entropy, linear_token_logprobs
+from .api import linear_cross_entropy, linear_token_logprobs, linear_token_loss
 
-__all__ = ["linear_cross_entropy", "linear_token_logprobs"]
+__all__ = ["linear_cross_entropy", "linear_token_logprobs", "linear_token_loss"]

@@ -1,14 +1,18 @@
-"""``linear_cross_entropy`` and ``linear_token_logprobs``: the options checked once,
-then the chunked loop's derivatives (``differentiation.py``) or, with
-``implementation="xla"``, the whole logits and the cross-entropy's XLA formulation."""
+"""``linear_cross_entropy``, ``linear_token_logprobs`` and ``linear_token_loss``: the
+options checked once, then the chunked loop's derivatives (``differentiation.py``) or,
+with ``implementation="xla"``, the whole logits and the cross-entropy's XLA
+formulation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .._implementation import use_xla
+from .._primitive import compute_dtype
 from ..cross_entropy.formulas import (
     entropy_of,
     finish,
@@ -23,7 +27,8 @@ from ..cross_entropy.options import (
     labels_of,
     logprob_options,
 )
-from .differentiation import Call, per_row, reduced
+from .chunks import TokenLoss
+from .differentiation import Call, per_row, reduced, token_loss
 from .options import LinearOptions
 
 
@@ -152,6 +157,132 @@ def linear_token_logprobs(
       ``(logp, entropy)``.
     """
     fn = "linear_token_logprobs"
+    h, weight, bias, labels, linear, options = _logprob_arguments(
+        fn,
+        h,
+        weight,
+        bias,
+        labels,
+        transpose_weight=transpose_weight,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        logit_softcap=logit_softcap,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    if use_xla(fn, implementation):
+        loss, ent = _xla_logprobs(h, weight, bias, labels, linear, options, return_entropy)
+    else:
+        bias_dtype = None if bias is None else bias.dtype.name
+        call = Call(options, linear, "none", weight.dtype.name, bias_dtype, return_entropy)
+        loss, _, *ent = per_row(call, h, weight, bias, labels)
+    return logprob_outputs(loss, ent, labels, options)
+
+
+def linear_token_loss(
+    h: jax.Array,
+    weight: jax.Array,
+    labels: jax.Array,
+    loss_fn: Callable[..., jax.Array],
+    *args: jax.Array,
+    bias: jax.Array | None = None,
+    transpose_weight: bool = False,
+    temperature: float = 1.0,
+    logit_softcap: float | None = None,
+    ignore_index: int | None = None,
+    chunk_size: int | None = None,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    implementation: str | None = None,
+):
+    """The sum over the tokens of ``loss_fn(logp, entropy, *args)``: a loss of each
+    token's log-probability and entropy (:func:`linear_token_logprobs` with
+    ``return_entropy``), without making the logits, and with its gradients made in the
+    forward pass.
+
+    That is
+
+    .. code-block:: python
+
+        logp, entropy = linear_token_logprobs(h, weight, labels, return_entropy=True)
+        jnp.sum(jax.vmap(loss_fn)(logp, entropy, *args))
+
+    but in three GEMMs per chunk instead of four: ``jax.grad`` of that composition knows
+    the tokens' cotangents only in the backward pass, which makes each chunk's logits
+    again. Here each chunk runs the forward kernel, ``loss_fn``'s derivatives by
+    ``jax.vjp``, then the backward kernel over the same logits, and its GEMMs for dh and
+    dW. A policy-gradient loss (GRPO, PPO) with an entropy bonus is such a loss.
+
+    ``loss_fn`` takes one token's values, float scalars, and returns a float scalar; it
+    is mapped over the tokens by ``jax.vmap``, so that each token's value depends on that
+    token alone. A mean goes in as a per-token weight, for example ``mask / mask.sum()``
+    as an argument.
+
+    Args:
+      h, weight, labels, bias, transpose_weight: as in :func:`linear_cross_entropy`.
+      loss_fn: ``(logp, entropy, *args) -> loss`` of one token.
+      *args: arrays of ``labels``' shape, one value per token (advantages, old
+        log-probabilities, weights, masks); the floating ones are differentiated.
+      temperature, logit_softcap, ignore_index: as in :func:`quack_jax.token_logprobs`;
+        an ignored token has logp and entropy 0, and ``loss_fn`` still sees it.
+      chunk_size, precision, preferred_element_type: as in
+        :func:`linear_cross_entropy`.
+      implementation: None, or "xla": the whole logits made by XLA,
+        :func:`quack_jax.token_logprobs`' XLA formulation on them and ``loss_fn``,
+        differentiated by JAX.
+
+    Returns:
+      the loss, a float32 scalar (float64 for float64 logits).
+    """
+    fn = "linear_token_loss"
+    h, weight, bias, labels, linear, options = _logprob_arguments(
+        fn,
+        h,
+        weight,
+        bias,
+        labels,
+        transpose_weight=transpose_weight,
+        temperature=temperature,
+        return_entropy=True,
+        logit_softcap=logit_softcap,
+        ignore_index=ignore_index,
+        chunk_size=chunk_size,
+        precision=precision,
+        preferred_element_type=preferred_element_type,
+    )
+    args = _token_arguments(fn, args, labels.shape)
+    loss = TokenLoss(_checked_loss_fn(fn, loss_fn, args, linear))
+    if use_xla(fn, implementation):
+        rows_loss, ent = _xla_logprobs(h, weight, bias, labels, linear, options, True)
+        logp, entropy = logprob_outputs(rows_loss, ent, labels, options)
+        flat = [a.reshape(-1) for a in (logp, entropy, *args)]
+        return jnp.sum(loss.values(flat[0], flat[1], flat[2:]))
+    bias_dtype = None if bias is None else bias.dtype.name
+    dtypes = tuple(a.dtype.name for a in args)
+    call = Call(options, linear, "none", weight.dtype.name, bias_dtype, True, loss, dtypes)
+    return token_loss(call, h, weight, bias, labels, *args)
+
+
+def _logprob_arguments(
+    fn,
+    h,
+    weight,
+    bias,
+    labels,
+    *,
+    transpose_weight,
+    temperature,
+    return_entropy,
+    logit_softcap,
+    ignore_index,
+    chunk_size,
+    precision,
+    preferred_element_type,
+):
+    """h, the weight, the bias, the labels, the linear options and the token_logprobs
+    options, checked."""
     h, weight, bias, linear = LinearOptions.of(
         fn,
         h,
@@ -172,16 +303,55 @@ def linear_token_logprobs(
         logit_softcap=logit_softcap,
         ignore_index=ignore_index,
     )
-    if use_xla(fn, implementation):
-        logits = _logits(h, weight, bias, linear)
-        loss, shift, logsum = rows(logits, labels, options)
-        z, _ = tempered(logits, options)
-        ent = [entropy_of(z, shift, logsum)] if return_entropy else []
-    else:
-        bias_dtype = None if bias is None else bias.dtype.name
-        call = Call(options, linear, "none", weight.dtype.name, bias_dtype, return_entropy)
-        loss, _, *ent = per_row(call, h, weight, bias, labels)
-    return logprob_outputs(loss, ent, labels, options)
+    return h, weight, bias, labels, linear, options
+
+
+def _xla_logprobs(h, weight, bias, labels, linear, options, entropy):
+    """The rows' loss (-logp) and, with ``entropy``, [entropy], of the whole logits
+    made by XLA (``implementation="xla"``)."""
+    logits = _logits(h, weight, bias, linear)
+    loss, shift, logsum = rows(logits, labels, options)
+    z, _ = tempered(logits, options)
+    return loss, [entropy_of(z, shift, logsum)] if entropy else []
+
+
+def _token_arguments(fn, args, shape):
+    """The per-token arguments as arrays of ``shape`` (the labels')."""
+    out = []
+    for i, a in enumerate(args):
+        if not (hasattr(a, "shape") and hasattr(a, "dtype")):
+            raise TypeError(
+                f"{fn}: args[{i}] must be an array of labels' shape {shape}, got {type(a).__name__}"
+            )
+        if tuple(a.shape) != tuple(shape):
+            raise ValueError(
+                f"{fn}: args[{i}] must have labels' shape {shape} (one value per token), "
+                f"got {tuple(a.shape)}"
+            )
+        out.append(jnp.asarray(a))
+    return out
+
+
+def _checked_loss_fn(fn, loss_fn, args, linear):
+    """``loss_fn``, once it is seen to map one token's scalars to a float scalar."""
+    if not callable(loss_fn):
+        raise TypeError(f"{fn}: loss_fn must be callable, got {type(loss_fn).__name__}")
+    stat = jax.ShapeDtypeStruct((), compute_dtype(linear.preferred_element_type))
+    scalars = [jax.ShapeDtypeStruct((), a.dtype) for a in args]
+    try:
+        out = jax.eval_shape(loss_fn, stat, stat, *scalars)
+    except Exception as error:
+        raise TypeError(
+            f"{fn}: loss_fn(logp, entropy, *args) failed on one token's scalars, with "
+            f"{len(args)} per-token argument(s): {type(error).__name__}: {error}"
+        ) from error
+    if not (hasattr(out, "shape") and out.shape == () and jnp.issubdtype(out.dtype, jnp.floating)):
+        got = f"shape {out.shape}, {out.dtype}" if hasattr(out, "shape") else type(out).__name__
+        raise TypeError(
+            f"{fn}: loss_fn(logp, entropy, *args) must return a float scalar for one "
+            f"token, got {got}"
+        )
+    return loss_fn
 
 
 def _logits(h, weight, bias, linear):

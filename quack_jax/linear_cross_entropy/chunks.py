@@ -1,11 +1,14 @@
 """The chunked computation on one device's block of rows (and, on a vocabulary split,
 its slice of the vocabulary): for each chunk of rows, its logits from the GEMM, the
 cross-entropy over them (``cross_entropy.forward`` or ``backward``), and its share of
-the gradients (docs/decisions/017-linear-cross-entropy-chunks.md)."""
+the gradients (docs/decisions/017-linear-cross-entropy-chunks.md). A token loss
+(``TokenLoss``) runs both kernels on each chunk's logits, with the per-token cotangents
+of its loss function in between (docs/decisions/024-token-loss-in-the-forward.md)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ from jax import lax
 from .._partition import WHOLE, varying_like
 from .._primitive import compute_dtype
 from ..cross_entropy.backward import backward_split
+from ..cross_entropy.formulas import coefficients, logprob_outputs
 from ..cross_entropy.forward import forward_split
 
 # the per-row results of the forward: the loss and the row statistics (see
@@ -24,15 +28,49 @@ STATS = ("loss", "shift", "logsum")
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class Needs:
-    """Which gradients autodiff asks for: of h, of the weight, of the bias."""
+    """Which gradients autodiff asks for: of h, of the weight, of the bias, and of each
+    per-token argument of a token loss."""
 
     h: bool
     weight: bool
     bias: bool
+    args: tuple[bool, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLoss:
+    """A loss of each token's log-probability and entropy: ``fn(logp, entropy, *args)``
+    of one token's scalars (and its per-token arguments) -> a float scalar, which
+    ``jax.vmap`` maps over the rows. Hashed by ``fn``'s identity."""
+
+    fn: Callable
+
+    def values(self, logp, entropy, args):
+        return jax.vmap(self.fn)(logp, entropy, *args).astype(logp.dtype)
+
+    def cotangents(self, logp, entropy, args, needs: Needs):
+        """The rows' values and their derivatives by logp, by the entropy and by each
+        argument that ``needs.args`` asks for."""
+        wrt = [i for i, on in enumerate(needs.args) if on]
+
+        def values(logp, entropy, *picked):
+            full = list(args)
+            for i, a in zip(wrt, picked, strict=True):
+                full[i] = a
+            return self.values(logp, entropy, full)
+
+        value, vjp = jax.vjp(values, logp, entropy, *(args[i] for i in wrt))
+        return value, vjp(jnp.ones_like(value))
 
 
 def stat_names(entropy: bool) -> tuple[str, ...]:
     return STATS + ("entropy",) * entropy
+
+
+def row_names(mode: str, entropy: bool) -> tuple[str, ...]:
+    """The per-row results of ``mode`` before the gradients: the statistics (with the
+    entropy), the token loss's values, or none (the backward)."""
+    return {"backward": (), "token_loss": ("value",)}.get(mode, stat_names(entropy))
 
 
 def unpack(operands, has_bias):
@@ -43,19 +81,23 @@ def unpack(operands, has_bias):
 
 
 def gradient_names(mode, needs):
+    """The gradients ``mode`` makes, in order: dh, dw, db, then the per-token arguments'
+    ("darg0", ...) of a token loss."""
     if mode == "loss":
         return ()
-    return tuple(
-        k for k, on in zip(("dh", "dw", "db"), dataclasses.astuple(needs), strict=True) if on
-    )
+    flags = (needs.h, needs.weight, needs.bias)
+    names = [k for k, on in zip(("dh", "dw", "db"), flags, strict=True) if on]
+    return (*names, *(f"darg{i}" for i, on in enumerate(needs.args) if on))
 
 
-def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOLE, data_axes=()):
+def chunked(
+    *operands, mode, needs, has_bias, linear, options, entropy, token_loss, row=WHOLE, data_axes=()
+):
     """The op on operands whose rows (and, with ``row``, vocabulary slice) are this
     device's; ``data_axes`` are the mesh axes that split the rows, over which dW and the
-    bias gradient are summed. Results: [loss, shift, logsum] (the row statistics, see
-    cross_entropy.py) and with ``entropy`` the rows' entropy (not in "backward"), then the
-    gradients in ``needs``: dh (h's dtype), dW and db (float32)."""
+    bias gradient are summed. Results: the per-row results (``row_names``), then the
+    gradients in ``needs``: dh (h's dtype), dW and db (float32), and the per-token
+    arguments' (float32)."""
     h, w, bias, labels, per_row = unpack(operands, has_bias)
     lead, d = labels.shape, h.shape[-1]
     h, labels = h.reshape(-1, d), labels.reshape(-1)
@@ -67,12 +109,12 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
     # cross-entropy sees the logits of the vocabulary alone
     w, bias = linear.padded(w, bias)
     padding = linear.vocab(w) - vocab
-    stats = stat_names(entropy)
-    shapes = {k: ((t,), stat) for k in stats} | {"dh": ((t, d), h.dtype)}
+    stats = row_names(mode, entropy)
+    shapes = {k: ((t,), stat) for k in stats + grads} | {"dh": ((t, d), h.dtype)}
     shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab + padding,), jnp.float32)}
     # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
     # written by the first chunk
-    results = stats * (mode != "backward") + ("dh",) * ("dh" in grads)
+    results = stats + tuple(k for k in grads if k not in ("dw", "db"))
     carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
     # ceil(t / chunk) chunks of equal size; when that size does not divide t, the last
@@ -88,27 +130,50 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
         def rows(a):
             return lax.dynamic_slice_in_dim(a, start, size)
 
+        def store(carry, values):
+            return carry | {
+                k: lax.dynamic_update_slice_in_dim(carry[k], v.astype(stat), start, 0)
+                for k, v in values.items()
+            }
+
         hc = rows(h)
         logits = linear.logits(hc, w, bias)
         logits = logits[:, :vocab] if padding else logits
-        # the per-row gradient coefficients: the weights in "grad"; a, b, c after the
-        # statistics in "backward"
-        kept = 2 if mode == "backward" else 0
-        coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[kept:]]
-        inputs = (logits, rows(labels), *map(rows, per_row[:kept]), *coefficients)
-        if mode == "backward":
-            split = backward_split(row, options=options, entropy=entropy, inplace=True)
-            (dlogits,) = split(*inputs)
-        else:
-            grad = mode == "grad"
-            split = forward_split(row, options=options, entropy=entropy, grad=grad, inplace=grad)
-            outs = split(*inputs)
-            carry = dict(carry)
-            for k, v in zip(stats, outs, strict=False):
-                carry[k] = lax.dynamic_update_slice_in_dim(carry[k], v.astype(stat), start, 0)
-            if not grads:
+        if mode == "token_loss":
+            values, dlogits = _token_loss_chunk(
+                logits,
+                rows(labels),
+                [rows(p) for p in per_row],
+                fresh,
+                row=row,
+                options=options,
+                token_loss=token_loss,
+                needs=needs,
+                n=vocab * row.count,
+                kernel=bool({"dh", "dw", "db"} & set(grads)),
+            )
+            carry = store(carry, values)
+            if dlogits is None:
                 return carry
-            (dlogits,) = outs[len(stats) :]
+        else:
+            # the per-row gradient coefficients: the weights in "grad"; a, b, c after the
+            # statistics in "backward"
+            kept = 2 if mode == "backward" else 0
+            coefficients = [jnp.where(fresh, rows(p), 0) for p in per_row[kept:]]
+            inputs = (logits, rows(labels), *map(rows, per_row[:kept]), *coefficients)
+            if mode == "backward":
+                split = backward_split(row, options=options, entropy=entropy, inplace=True)
+                (dlogits,) = split(*inputs)
+            else:
+                grad = mode == "grad"
+                split = forward_split(
+                    row, options=options, entropy=entropy, grad=grad, inplace=grad
+                )
+                outs = split(*inputs)
+                carry = store(carry, dict(zip(stats, outs, strict=False)))
+                if not grads:
+                    return carry
+                (dlogits,) = outs[len(stats) :]
         dlogits = dlogits.astype(h.dtype)
         dlogits = jnp.pad(dlogits, ((0, 0), (0, padding))) if padding else dlogits
         carry = dict(carry)
@@ -137,7 +202,35 @@ def chunked(*operands, mode, needs, has_bias, linear, options, entropy, row=WHOL
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
-    outs = [] if mode == "backward" else [carry[k].reshape(lead) for k in stats]
-    for k in grads:
-        outs.append(carry[k].reshape(*lead, d) if k == "dh" else carry[k])
+    # the per-row results in the rows' shape; dW and db as they are
+    lead_shapes = {"dh": (*lead, d), "dw": None, "db": None}
+    outs = []
+    for k in stats + grads:
+        shape = lead_shapes.get(k, lead)
+        outs.append(carry[k] if shape is None else carry[k].reshape(shape))
     return outs
+
+
+def _token_loss_chunk(logits, labels, args, fresh, *, row, options, token_loss, needs, n, kernel):
+    """A token loss on one chunk: the forward kernel's log-probabilities and entropies,
+    the loss's values, the cotangents of the per-token arguments that ``needs`` asks
+    for, and with ``kernel`` the backward kernel's dlogits over the logits (None
+    otherwise); ``n`` is the whole vocabulary. Rows already done (not ``fresh``) get no
+    second gradient."""
+    forward = forward_split(row, options=options, entropy=True, grad=False, inplace=False)
+    loss, shift, logsum, entropy = forward(logits, labels)
+    logp, entropy_out = logprob_outputs(loss, [entropy], labels, options)
+    if not (kernel or any(needs.args)):
+        return {"value": token_loss.values(logp, entropy_out, args)}, None
+    value, (g_logp, g_entropy, *g_args) = token_loss.cotangents(logp, entropy_out, args, needs)
+    picked = [f"darg{i}" for i, on in enumerate(needs.args) if on]
+    values = {"value": value} | dict(zip(picked, g_args, strict=True))
+    if not kernel:
+        return values, None
+    # logp is -loss: the loss's cotangent is -g_logp
+    g_loss, g_entropy = (jnp.where(fresh, g, 0.0) for g in (-g_logp, g_entropy))
+    terms = (g_entropy, logsum, entropy)
+    coefficient = coefficients(labels, n, options, shift + logsum, g_loss, 0.0, terms)
+    backward = backward_split(row, options=options, entropy=True, inplace=True)
+    (dlogits,) = backward(logits, labels, shift, logsum, *coefficient)
+    return values, dlogits

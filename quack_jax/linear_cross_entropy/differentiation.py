@@ -2,7 +2,8 @@
 gradients autodiff asks for (``symbolic_zeros``). A "sum" or "mean" loss alone has its
 gradients at the end of the forward pass, which the cotangent scales; per-row losses (or
 lse) keep the row statistics, and the backward makes each chunk's logits again and runs
-the backward kernel over them in place."""
+the backward kernel over them in place. A token loss, a sum of per-token values, has its
+gradients at the end of the forward pass too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from ..cross_entropy.formulas import coefficients, reduce, row_weights
 from ..cross_entropy.options import CrossEntropyOptions
-from .chunks import Needs
+from .chunks import Needs, TokenLoss
 from .options import LinearOptions
 from .primitive import bind
 
@@ -22,8 +23,9 @@ from .primitive import bind
 @dataclasses.dataclass(frozen=True)
 class Call:
     """The static arguments of a call: the cross-entropy options, the linear map, the
-    reduction, the dtypes the gradients are returned in, and whether the rows' entropy
-    is made (linear_token_logprobs)."""
+    reduction, the dtypes the gradients are returned in, whether the rows' entropy is
+    made (linear_token_logprobs), and the token loss and its arguments' dtypes
+    (linear_token_loss)."""
 
     options: CrossEntropyOptions
     linear: LinearOptions
@@ -31,6 +33,8 @@ class Call:
     weight_dtype: str
     bias_dtype: str | None
     entropy: bool = False
+    token_loss: TokenLoss | None = None
+    arg_dtypes: tuple[str, ...] = ()
 
     def bind(self, mode, needs, h, w, bias, labels, *per_row):
         entropy = self.entropy and mode != "grad"
@@ -45,21 +49,26 @@ class Call:
             linear=self.linear,
             options=self.options,
             entropy=entropy,
+            token_loss=self.token_loss,
         )
 
     def gradients(self, needs, grads, scale=None):
-        """The cotangents of (h, weight, bias, labels) from the gradients ``needs`` made,
-        times ``scale``, in their arguments' dtypes."""
+        """The cotangents of (h, weight, bias, labels, *args) from the gradients ``needs``
+        made, times ``scale``, in their arguments' dtypes."""
         grads = iter(grads)
         out = []
         dtypes = (None, self.weight_dtype, self.bias_dtype)
-        for on, dtype in zip(dataclasses.astuple(needs), dtypes, strict=True):
-            g = next(grads) if on else None
-            if g is not None:
-                dtype = dtype or g.dtype
-                g = (g if scale is None else g * scale).astype(dtype)
-            out.append(g)
-        return (*out, None)
+        flags = (needs.h, needs.weight, needs.bias)
+        for on, dtype in zip(flags, dtypes, strict=True):
+            out.append(_scaled(next(grads), scale, dtype) if on else None)
+        pairs = zip(self.arg_dtypes, needs.args, strict=True)
+        args = [_scaled(next(grads), scale, dtype) if on else None for dtype, on in pairs]
+        return (*out, None, *args)
+
+
+def _scaled(g, scale, dtype):
+    dtype = dtype or g.dtype
+    return (g if scale is None else g * scale).astype(dtype)
 
 
 NOTHING = Needs(False, False, False)
@@ -134,3 +143,29 @@ def _per_row_backward(call: Call, saved, cotangents):
 
 
 per_row.defvjp(_per_row_forward, _per_row_backward, symbolic_zeros=True)
+
+
+# a token loss: the sum of the rows' values, whose gradients come from the forward pass
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def token_loss(call: Call, h, w, bias, labels, *args):
+    nothing = dataclasses.replace(NOTHING, args=(False,) * len(args))
+    value, *_ = call.bind("token_loss", nothing, h, w, bias, labels, *args)
+    return jnp.sum(value)
+
+
+def _token_loss_forward(call: Call, h, w, bias, labels, *args):
+    perturbed = tuple(a.perturbed for a in args)
+    needs = dataclasses.replace(_needs(h, w, bias), args=perturbed)
+    h, w, bias, labels, *args = _values(h, w, bias, labels, *args)
+    value, *grads = call.bind("token_loss", needs, h, w, bias, labels, *args)
+    return jnp.sum(value), (needs, grads)
+
+
+def _token_loss_backward(call: Call, saved, g):
+    needs, grads = saved
+    return call.gradients(needs, grads, g)
+
+
+token_loss.defvjp(_token_loss_forward, _token_loss_backward, symbolic_zeros=True)

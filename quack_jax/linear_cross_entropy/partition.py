@@ -12,7 +12,7 @@ import functools
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._partition import WHOLE, Row, count, custom_partitioned, dims_spec, names
-from .chunks import chunked, gradient_names, stat_names
+from .chunks import chunked, gradient_names, row_names
 
 
 def _factors(mode, needs, has_bias, entropy, transpose, lead_rank, n_per_row):
@@ -21,8 +21,8 @@ def _factors(mode, needs, has_bias, entropy, transpose, lead_rank, n_per_row):
     weight = ("v", "d") if transpose else ("d", "v")
     ins = [(*rows, "d"), weight] + [("v",)] * has_bias + [rows] * (1 + n_per_row)
     grad = {"dh": (*rows, "d"), "dw": weight, "db": ("v",)}
-    outs = [] if mode == "backward" else [rows] * len(stat_names(entropy))
-    return ins, outs + [grad[k] for k in gradient_names(mode, needs)]
+    outs = [rows] * len(row_names(mode, entropy))
+    return ins, outs + [grad.get(k, rows) for k in gradient_names(mode, needs)]
 
 
 def partitioned(params, avals_in, avals_out):

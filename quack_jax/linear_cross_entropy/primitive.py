@@ -1,10 +1,12 @@
 """The linear + cross-entropy primitive: (h, weight, [bias], labels, [per-row operands])
 -> the per-row results and the gradients that autodiff asks for. ``mode`` is "loss"
 (the per-row results), "grad" (also the gradients of a weighted sum of the losses, in
-the forward pass) or "backward" (the gradients from per-row coefficients, each chunk's
-logits made again). Its lowering is the chunked loop (``chunks.py``), partitioned under
-a sharded ``jit`` (``partition.py``); off the GPU the same chunks run through the XLA
-references, so the memory saving holds everywhere."""
+the forward pass), "backward" (the gradients from per-row coefficients, each chunk's
+logits made again) or "token_loss" (a ``TokenLoss``'s values per row, and the gradients
+of their sum, in the forward pass; the per-row operands are its arguments). Its
+lowering is the chunked loop (``chunks.py``), partitioned under a sharded ``jit``
+(``partition.py``); off the GPU the same chunks run through the XLA references, so the
+memory saving holds everywhere."""
 
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from jax.interpreters import batching, mlir
 from .._jax_private import new_primitive
 from .._partition import STAT, role_aval
 from .._primitive import compute_dtype
-from .chunks import gradient_names, stat_names, unpack
+from .chunks import gradient_names, row_names, unpack
 from .partition import partitioned
 
 
-def _abstract(*avals, mode, needs, has_bias, linear, options, entropy):
+def _abstract(*avals, mode, needs, has_bias, linear, options, entropy, token_loss):
     h, w, bias, _, _ = unpack(avals, has_bias)
     stat = role_aval(h, STAT, compute_dtype(linear.preferred_element_type))
     grad = {
@@ -29,8 +31,8 @@ def _abstract(*avals, mode, needs, has_bias, linear, options, entropy):
     }
     if bias is not None:
         grad["db"] = bias.update(dtype=np.dtype("float32"), weak_type=False)
-    outs = [] if mode == "backward" else [stat] * len(stat_names(entropy))
-    return outs + [grad[k] for k in gradient_names(mode, needs)]
+    outs = [stat] * len(row_names(mode, entropy))
+    return outs + [grad.get(k, stat) for k in gradient_names(mode, needs)]
 
 
 def _batch(operands, dims, *, mode, needs, has_bias, **params):
@@ -68,7 +70,7 @@ batching.primitive_batchers[primitive] = _batch
 mlir.register_lowering(primitive, _lower)
 
 
-def bind(mode, needs, h, w, bias, labels, *per_row, linear, options, entropy):
+def bind(mode, needs, h, w, bias, labels, *per_row, linear, options, entropy, token_loss=None):
     """The primitive of ``mode`` on h, the weight, the bias (or None), the labels and the
     per-row operands."""
     operands = (h, w) + ((bias,) if bias is not None else ()) + (labels, *per_row)
@@ -80,4 +82,5 @@ def bind(mode, needs, h, w, bias, labels, *per_row, linear, options, entropy):
         linear=linear,
         options=options,
         entropy=entropy,
+        token_loss=token_loss,
     )

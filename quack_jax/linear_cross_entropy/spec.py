@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from .._spec import OpSpec, Shapes
-from .api import linear_cross_entropy, linear_token_logprobs
+from .api import linear_cross_entropy, linear_token_logprobs, linear_token_loss
 
 # the options that choose the cross-entropy kernels' variants: the mean loss (its
 # gradient from the forward) or per-row losses (a forward and a backward kernel), with
@@ -22,9 +22,10 @@ VARIANTS = tuple(
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """The value and gradients over two whole chunks and a part, with the weight as
-    (d, V) and as (V, d): of the loss with each of ``VARIANTS``, or of the sum of logp
-    and the entropy (linear_token_logprobs). ``packaged``: the mean loss, or that sum,
-    with the weight as (d, V)."""
+    (d, V) and as (V, d): of the loss with each of ``VARIANTS``, of the sum of logp and
+    the entropy (linear_token_logprobs), or of a token loss of both (linear_token_loss,
+    the same kernels). ``packaged``: the mean loss, or those sums, with the weight as
+    (d, V)."""
     t, d, chunk = 300, 64, 128
     h, labels = jax.ShapeDtypeStruct((t, d), dtype), jax.ShapeDtypeStruct((t,), "int32")
     variants = VARIANTS[:1] if packaged else VARIANTS
@@ -38,6 +39,8 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
                     if op == "linear_cross_entropy":
                         loss = linear_cross_entropy(h, w, labels, **options)
                         return jnp.sum(loss) if loss.ndim else loss
+                    if op == "linear_token_loss":
+                        return linear_token_loss(h, w, labels, _token_loss, **options)
                     logp, ent = linear_token_logprobs(h, w, labels, return_entropy=True, **options)
                     return jnp.sum(logp + ent)
 
@@ -46,8 +49,12 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
             yield loss, (h, w, labels)
 
 
+def _token_loss(logp, entropy):
+    return logp + 0.01 * entropy
+
+
 SPEC = OpSpec(
-    ops=("linear_cross_entropy", "linear_token_logprobs"),
+    ops=("linear_cross_entropy", "linear_token_logprobs", "linear_token_loss"),
     configs=(),  # the cross-entropy kernels
     sizes="vocab",
     lowerings=_lowerings,
