@@ -50,9 +50,11 @@ fusions by the model part they compute.
 it: the step is compiled for abstract parameters, optimiser state and batch (nothing is
 allocated), and its ``memory_analysis()`` (arguments + outputs + temporaries, less the
 outputs that the donated parameters and optimiser state alias) is held against the
-device's ``memory_stats()["bytes_limit"]``. The batch doubles from the config's until a
-step does not fit (or reaches ``MAX_BATCH_CAP``), then a bisection finds the largest
-that fits, in multiples of the data-parallel size. A device without ``memory_stats``
+device's ``memory_stats()["bytes_limit"]``. From the config's batch, the search tries
+where the line through the sizes found so far reaches the limit (a step's memory is
+close to linear in its batch), bisecting where that guess fails, up to
+``MAX_BATCH_CAP``, and finds the largest batch that fits in multiples of the
+data-parallel size. A device without ``memory_stats``
 (the CPU) cannot be judged: the search is skipped and says so. The result goes in the
 JSON (each run's ``max_batch``) and in a column of the summary table.
 """
@@ -524,29 +526,45 @@ def step_bytes(compiled) -> dict:
     return parts
 
 
-def largest(fits, start: int, unit: int, cap: int) -> tuple[int, bool]:
-    """The largest multiple of ``unit`` for which ``fits`` (true up to some size, false
-    beyond it) holds, and whether ``cap`` stopped the search: doubling from ``start`` (a
-    multiple of ``unit``) until it does not fit or would pass ``cap``, then bisecting. 0
-    where not even ``unit`` fits."""
-    lo, hi, capped = 0, start, False
-    if fits(start):
-        lo, hi = start, None
-        while hi is None:
-            if 2 * lo > cap:
-                capped = True
-                break
-            if fits(2 * lo):
-                lo *= 2
-            else:
-                hi = 2 * lo
-    while hi is not None and hi - lo > unit:
-        mid = (lo + hi) // 2 // unit * unit
-        if fits(mid):
-            lo = mid
+def largest(need, limit: int, start: int, unit: int, cap: int) -> tuple[int, bool]:
+    """The largest multiple of ``unit`` whose ``need(batch)`` (bytes, growing with the
+    batch; None: it cannot be built) is at most ``limit``, and whether ``cap`` stopped
+    the search. The batches tried: ``start`` (a multiple of ``unit``), then where the
+    line through the two nearest sizes known reaches ``limit`` (a step's memory is close
+    to linear in its batch, so this takes a few compilations), within the bounds found so
+    far, bisecting when that guess is not inside them; doubling while only one size is
+    known. At most ``cap``; 0 where not even ``unit`` fits."""
+    sizes = {}
+    lo, hi, batch = 0, None, start  # lo fits (0: none yet), hi does not
+    while True:
+        sizes[batch] = need(batch)
+        if sizes[batch] is not None and sizes[batch] <= limit:
+            lo = batch
         else:
-            hi = mid
-    return lo, capped
+            hi = batch
+        if hi is None and lo >= cap:
+            return lo, True
+        if hi is not None and hi - lo <= unit:
+            return lo, False
+        batch = _next_batch(sizes, limit, lo, hi, unit, cap)
+
+
+def _next_batch(sizes, limit, lo, hi, unit, cap) -> int:
+    """The next batch ``largest`` tries: the linear guess from the two sizes nearest the
+    limit, moved inside the bounds (above ``lo``, below ``hi`` or at most ``cap``); with
+    no guess (one size known, or a curve that the failures make flat), double ``lo`` or
+    bisect."""
+    near = sorted(
+        ((b, n) for b, n in sizes.items() if n is not None), key=lambda bn: abs(bn[1] - limit)
+    )
+    top = cap if hi is None else hi - unit
+    if len(near) >= 2 and near[0][1] != near[1][1]:
+        (b0, n0), (b1, n1) = near[:2]
+        guess = int(b0 + (limit - n0) * (b1 - b0) / (n1 - n0)) // unit * unit
+        return min(max(guess, lo + unit), top)
+    if hi is None:
+        return min(2 * lo, cap)
+    return max((lo + hi) // 2 // unit * unit, lo + unit)
 
 
 def max_batch(
@@ -578,27 +596,28 @@ def max_batch(
     unit = devices // vocab_parallel  # the batch is split over the data axis
     tried = {}
 
-    def fits(batch: int) -> bool:
+    def need(batch: int) -> int | None:
         tokens = jax.ShapeDtypeStruct((batch, cfg.seq), "int32", sharding=by_rows)
         start = time.perf_counter()
         try:
-            need = step_bytes(step.lower(params, opt_state, tokens, tokens).compile())
+            found = step_bytes(step.lower(params, opt_state, tokens, tokens).compile())
         except jax.errors.JaxRuntimeError as e:  # e.g. autotuning ran out of memory
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
-            need = dict(total=None, error=str(e).splitlines()[0][:200])
-        tried[batch] = need
-        ok = need["total"] is not None and need["total"] <= limit
-        size = "?" if need["total"] is None else f"{need['total'] / 2**30:.2f}"
+            found = dict(total=None, error=str(e).splitlines()[0][:200])
+        tried[batch] = found
+        total = found["total"]
+        ok = total is not None and total <= limit
+        size = "?" if total is None else f"{total / 2**30:.2f}"
         print(
             f"{variant}: batch {batch}: {size} of {limit / 2**30:.2f} GiB, "
             f"{'fits' if ok else 'does not fit'} ({time.perf_counter() - start:.1f} s)",
             file=sys.stderr,
             flush=True,
         )
-        return ok
+        return total
 
-    lo, capped = largest(fits, start or cfg.batch, unit, MAX_BATCH_CAP)
+    lo, capped = largest(need, limit, start or cfg.batch, unit, MAX_BATCH_CAP)
     return dict(
         batch=lo,
         tokens=lo * cfg.seq,

@@ -100,17 +100,45 @@ def test_rope_keeps_norms_and_relative_angles(train_lm):
     assert_close(np.array(dots), np.full(20, dots[0]), 1.0 + abs(dots[0]), "float32", "angles")
 
 
-def test_largest_search(train_lm):
-    for size, start, unit in [(37, 8, 1), (37, 8, 2), (5, 8, 1), (8, 8, 4), (1, 8, 2)]:
+@pytest.mark.parametrize(
+    "memory",
+    [
+        lambda b: 1000 + 100 * b,  # linear: a few tries
+        lambda b: 1000 + b * b,  # growing faster
+        lambda b: 1000 + 400 * int(b**0.5),  # slower, in steps
+        lambda b: None if b > 50 else 1000 + 100 * b,  # cannot be built past 50
+    ],
+)
+def test_largest_search(train_lm, memory):
+    """The largest multiple of the unit whose memory is within the limit, whatever the
+    curve, trying only multiples of the unit; at most the cap, which it says."""
+    for limit, start, unit in [(4700, 8, 1), (4700, 8, 2), (1500, 8, 1), (1900, 8, 4)]:
         tried = []
 
-        def fits(b, size=size, tried=tried):
+        def need(b, tried=tried):
             tried.append(b)
-            return b <= size
+            return memory(b)
 
-        assert train_lm.largest(fits, start, unit, 1 << 10) == (size // unit * unit, False)
-        assert all(b % unit == 0 for b in tried)
-    assert train_lm.largest(lambda b: True, 8, 1, 100) == (64, True)
+        def fits(b, limit=limit):
+            return memory(b) is not None and memory(b) <= limit
+
+        want = max((b for b in range(unit, 1 << 10, unit) if fits(b)), default=0)
+        assert train_lm.largest(need, limit, start, unit, 1 << 10) == (want, False)
+        assert all(b % unit == 0 for b in tried) and len(tried) == len(set(tried))
+    found, capped = train_lm.largest(lambda b: 1000 + b, 10**9, 8, 1, 100)
+    assert (found, capped) == (100, True)
+
+
+def test_largest_search_is_short_on_a_line(train_lm):
+    """Linear memory: the first two sizes give the answer, which two more tries confirm."""
+    tried = []
+
+    def need(b):
+        tried.append(b)
+        return 5000 + 1234 * b
+
+    assert train_lm.largest(need, 200_000, 8, 1, 1 << 16) == (158, False)
+    assert len(tried) <= 4, tried
 
 
 def test_max_batch(train_lm, capsys):
