@@ -114,6 +114,12 @@ def run(backend, f, *args, launches):
     return lowered.compile()(*args)
 
 
+def gemm_count(f, *args) -> int:
+    """The GEMMs (``dot_general``) in the lowering of ``jax.jit(f)`` on ``args``: a
+    chunked loop has each one twice, in its first chunk's body and in the loop's."""
+    return jax.jit(f).lower(*args).as_text().count("stablehlo.dot_general")
+
+
 def run_launching(backend, f, *args, kernels=True):
     """Compile ``f``, check it launches quack_jax kernels on the "gpu" backend (some, or
     none without ``kernels``) and none on the "cpu" one, run it: for programs whose

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import TOL, assert_close, backends, gpu_lengths, grid, key_for, run
+from checks import TOL, assert_close, backends, gemm_count, gpu_lengths, grid, key_for, run
 
 import quack_jax
 from quack_jax import _ffi
@@ -563,6 +563,29 @@ def test_gradient_of_one_argument(backend, wrt, reduction):
     made = re.findall(r"needs=Needs\((h=\w+, weight=\w+, bias=\w+), args=\(\)\)", jaxpr)
     want = "h=True, weight=False, bias=False" if wrt == "h" else "h=False, weight=True, bias=False"
     assert want in made and all("True" not in m or m == want for m in made), made
+
+
+@pytest.mark.parametrize(
+    ("options", "forward", "backward"),
+    [
+        (dict(reduction="mean"), 3, 0),  # the gradients in the forward pass
+        (dict(reduction="sum"), 3, 0),
+        (dict(reduction="none"), 1, 3),  # the backward makes the logits again
+        (dict(reduction="mean", return_lse=True), 1, 3),
+    ],
+)
+def test_each_schedule_takes_its_gemms(options, forward, backward):
+    """The GEMMs of each schedule, per loop body: a "sum" or "mean" loss makes its
+    gradients with the logits (three), per-row losses (or lse) recompute each chunk's
+    logits in the backward (one, then three); dW accumulates in the loop's carry."""
+    h, w, _, labels, _, _ = draw()
+
+    def loss(h, w):
+        out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=8, **options)
+        return jnp.sum(out[0] if isinstance(out, tuple) else out)
+
+    assert gemm_count(jax.grad(loss, argnums=(0, 1)), h, w) == 2 * (forward + backward)
+    assert gemm_count(loss, h, w) == 2  # the value alone: the logits' GEMM
 
 
 # -- 6. preferred_element_type and precision -------------------------------------------------

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import SEED, assert_close, backend_param, backends, key_for, run
+from checks import SEED, assert_close, backend_param, backends, gemm_count, key_for, run
 
 import quack_jax
 from quack_jax._registry import specs
@@ -338,10 +338,6 @@ def test_linear_token_loss_matches_the_composition(backend, dtype, transpose):
         assert_close(got, ref, mag, tol, what)
 
 
-def _gemms(f, *args):
-    return jax.jit(f).lower(*args).as_text().count("stablehlo.dot_general")
-
-
 def test_linear_token_loss_takes_three_gemms_per_chunk():
     """The token loss's gradients come from the forward pass: three GEMMs in each loop
     body (the first chunk's and the others'), where the gradient of the same loss
@@ -363,6 +359,6 @@ def test_linear_token_loss_takes_three_gemms_per_chunk():
         return jnp.sum(jax.vmap(per_token)(logp, ent, advantage))
 
     grads = functools.partial(jax.grad, argnums=(0, 1))
-    assert _gemms(grads(fused), h, w) == 2 * 3
-    assert _gemms(grads(composed), h, w) == 2 * 4
-    assert _gemms(fused, h, w) == 2 * 1  # the value alone: the logits' GEMM
+    assert gemm_count(grads(fused), h, w) == 2 * 3
+    assert gemm_count(grads(composed), h, w) == 2 * 4
+    assert gemm_count(fused, h, w) == 2 * 1  # the value alone: the logits' GEMM
