@@ -880,6 +880,14 @@ def main(argv=None):
             traced = run_child(args, variant, WARMUP, ["--profile"], XLA_FLAGS=flags.strip())
             records[variant]["profile"] = traced["profile"]
             records[variant]["profile_kinds"] = traced["profile_kinds"]
+        text = write_results(args, cfg, records)  # after each variant: a run cut short
+        # keeps the variants it finished
+    print(text)
+
+
+def write_results(args, cfg: Config, records: dict) -> str:
+    """``train_<config>.json``, ``.md`` and ``.png`` in ``args.out`` for the variants in
+    ``records``; returns the summary's text."""
     first = next(iter(records.values()))
     where = (
         "quack_jax kernels" if first["kernels"] else "no sm_90 GPU: quack_jax ran its XLA fallback"
@@ -889,13 +897,13 @@ def main(argv=None):
         f"mesh {first['mesh']}, "
         f"jax {first['jax']}\n\n{summary(records)}"
     )
-    print(text)
     name = f"train_{args.config}" + (f"_x{args.devices}" if args.devices > 1 else "")
     name += f"_vp{args.vocab_parallel}" if args.vocab_parallel > 1 else ""
     meta = dict(config=args.config, params=dataclasses.asdict(cfg), steps=args.steps)
     (args.out / f"{name}.json").write_text(json.dumps(meta | dict(runs=records), indent=1))
     (args.out / f"{name}.md").write_text(text + "\n")
     plot(records, args.config, args.out / f"{name}.png")
+    return text
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ CPU: the variants train from the same seed on the same batches and agree; and it
 import json
 import pathlib
 import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -53,6 +54,24 @@ def test_tiny_training_run(tmp_path, train_lm):
     assert "max batch" not in report
     assert (tmp_path / "train_tiny.png").stat().st_size > 10_000
     assert train_lm.CONFIGS["h200"].vocab >= 128 * 1024
+
+
+def test_a_run_cut_short_keeps_the_variants_it_finished(tmp_path, train_lm, monkeypatch):
+    """The results are written after each variant: a later variant that fails (a timeout,
+    running out of memory) leaves the earlier ones' JSON and summary."""
+    done = train_lm.run_child
+
+    def child(args, variant, *rest, **env):
+        if variant == "quack_jax_fused":
+            raise subprocess.CalledProcessError(1, variant)
+        return done(args, variant, *rest, **env)
+
+    monkeypatch.setattr(train_lm, "run_child", child)
+    with pytest.raises(subprocess.CalledProcessError):
+        train_lm.main(["--config", "tiny", "--steps", "3", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "train_tiny.json").read_text())
+    assert list(result["runs"]) == ["stock", "quack"]
+    assert "| quack |" in (tmp_path / "train_tiny.md").read_text()
 
 
 def test_llama_training_run(tmp_path, train_lm):
