@@ -880,8 +880,8 @@ def main(argv=None):
             traced = run_child(args, variant, WARMUP, ["--profile"], XLA_FLAGS=flags.strip())
             records[variant]["profile"] = traced["profile"]
             records[variant]["profile_kinds"] = traced["profile_kinds"]
-        text = write_results(args, cfg, records)  # after each variant: a run cut short
-        # keeps the variants it finished
+        # written after each variant, so that a run cut short keeps the variants it finished
+        text = write_results(args, cfg, records)
     print(text)
 
 
