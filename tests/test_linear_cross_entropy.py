@@ -23,7 +23,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from checks import TOL, assert_close, backends, gemm_count, gpu_lengths, grid, key_for, run
+from checks import (
+    TOL,
+    assert_close,
+    backends,
+    gemm_count,
+    gpu_lengths,
+    grid,
+    key_for,
+    run,
+    run_launching,
+)
 
 import quack_jax
 from quack_jax import _ffi
@@ -468,17 +478,19 @@ MEMORY_V = 32000  # a vocabulary of the grid
 ODD_V = dict(cpu=997, gpu=50257)
 
 
+@pytest.mark.parametrize("chunk", (16, T))
 @pytest.mark.parametrize("transpose", (False, True))
 @pytest.mark.parametrize("reduction", ("mean", "none"))
 @pytest.mark.parametrize("backend", backends())
-def test_a_misaligned_vocabulary_pads_only_the_gemms(backend, reduction, transpose):
+def test_a_misaligned_vocabulary_pads_only_the_gemms(backend, reduction, transpose, chunk):
     """Values and gradients of the vocabulary alone, as the reference's: the padding's
     zero logits never reach the loss, lse or label smoothing's mean, and dW and the bias
     gradient keep the weight's shape. The GEMMs take the padded weight (of a multiple of
-    64 rows or columns)."""
+    64 rows or columns). In one chunk, the per-row backward takes the forward's logits
+    of the vocabulary alone."""
     v = ODD_V[backend]
     h, w, bias, labels, g, g_lse = draw(v=v, transpose=transpose, tag=("odd",))
-    opts = dict(reduction=reduction, transpose_weight=transpose, chunk_size=16)
+    opts = dict(reduction=reduction, transpose_weight=transpose, chunk_size=chunk)
     opts |= dict(label_smoothing=0.1, return_lse=reduction == "none")
     _, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
     assert grads["weight"].shape == w.shape and grads["bias"].shape == bias.shape
@@ -488,13 +500,18 @@ def test_a_misaligned_vocabulary_pads_only_the_gemms(backend, reduction, transpo
 
 
 def compiled_bytes(fn, t, d, v):
-    """temp + output bytes of the compiled value_and_grad (of h and W) in bfloat16."""
+    """temp + output bytes of the compiled value_and_grad (of h and W, of the sum of
+    per-row losses) in bfloat16."""
     args = (
         jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
         jax.ShapeDtypeStruct((t,), jnp.int32),
     )
-    compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
+
+    def total(*args):
+        return jnp.sum(fn(*args))
+
+    compiled = jax.jit(jax.value_and_grad(total, argnums=(0, 1))).lower(*args).compile()
     memory = compiled.memory_analysis()
     return memory.temp_size_in_bytes + memory.output_size_in_bytes
 
@@ -515,6 +532,16 @@ def test_a_last_chunk_that_overlaps_costs_no_memory(backend):
     d, v = 64, MEMORY_V
     overlapping = compiled_bytes(fused(512), 4001, d, v)
     assert overlapping <= compiled_bytes(fused(501), 4008, d, v)
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_kept_logits_cost_no_memory(backend):
+    """The logits that one chunk keeps for the per-row backward take the place of those
+    it would make again: per-row losses need no more memory than a "sum", whose
+    gradients come from the forward pass over the same chunk."""
+    t, d, v = 4096, 64, MEMORY_V
+    per_row = compiled_bytes(fused(t, reduction="none"), t, d, v)
+    assert per_row <= compiled_bytes(fused(t, reduction="sum"), t, d, v)
 
 
 def inplace_case(dtype, transpose):
@@ -586,6 +613,50 @@ def test_each_schedule_takes_its_gemms(options, forward, backward):
 
     assert gemm_count(jax.grad(loss, argnums=(0, 1)), h, w) == 2 * (forward + backward)
     assert gemm_count(loss, h, w) == 2  # the value alone: the logits' GEMM
+
+
+@pytest.mark.parametrize(
+    "options", [dict(reduction="none"), dict(reduction="sum", return_lse=True)]
+)
+def test_one_chunk_keeps_its_logits(options):
+    """Where one chunk holds every row, per-row losses (or lse) take its logits from the
+    forward pass: one GEMM there and two in the backward, against four in each of two
+    loop bodies where two chunks make their logits again."""
+    h, w, _, labels, _, _ = draw()
+
+    def grads(chunk):
+        def loss(h, w):
+            out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk, **options)
+            return jnp.sum(out[0] if isinstance(out, tuple) else out)
+
+        return jax.grad(loss, argnums=(0, 1))
+
+    assert gemm_count(grads(T), h, w) == 3
+    assert gemm_count(grads(T - 1), h, w) == 2 * 4
+
+
+@pytest.mark.parametrize("backend", backends())
+def test_one_chunk_per_example_under_vmap(backend):
+    """vmap of per-row losses whose examples each fit one chunk: the forward takes the
+    examples' rows together (one chunk each, every chunk's logits kept), the backward
+    each example's own; values and gradients are each example's alone."""
+    examples = [draw(tag=("vmap", i)) for i in range(3)]
+    h, labels, g = (jnp.stack([e[k] for e in examples]) for k in (0, 3, 4))
+    w = examples[0][1]
+
+    def vjp(h, w, labels, g):
+        def loss(h, w):
+            return quack_jax.linear_cross_entropy(h, w, labels, reduction="none", chunk_size=T)
+
+        out, pullback = jax.vjp(loss, h, w)
+        return out, pullback(g)
+
+    batched = functools.partial(run_launching, backend, jax.vmap(vjp, in_axes=(0, None, 0, 0)))
+    out, (dh, dw) = batched(h, w, labels, g)
+    for i in range(len(examples)):
+        want, (want_dh, want_dw) = jax.jit(vjp)(h[i], w, labels[i], g[i])
+        for got, ref in ((out[i], want), (dh[i], want_dh), (dw[i], want_dw)):
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
 # -- 6. preferred_element_type and precision -------------------------------------------------

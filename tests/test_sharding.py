@@ -467,23 +467,31 @@ def count_all_reduces_of_no_logits(text, rows, d, v_local, chunk):
     return reduces
 
 
-# each option on at least three layouts, on meshes of Explicit axes (make_mesh's
-# default) but one of Auto axes
+LCE_ROWS, LCE_CHUNK = 64, 12
+# each option on at least three layouts, in chunks of LCE_CHUNK rows, on meshes of
+# Explicit axes (make_mesh's default) but one of Auto axes; per-row losses also in one
+# chunk, whose backward takes the forward's logits
 LCE_CASES = [
-    ("vocab-8", "mean", AxisType.Explicit),
-    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit),
-    ("rows-8", "none", AxisType.Explicit),
-    ("rows-8", "smoothing-zloss-lse", AxisType.Explicit),
-    ("2x4", "mean", AxisType.Explicit),
-    ("2x4", "none", AxisType.Explicit),
-    ("2x4", "smoothing-zloss-lse", AxisType.Explicit),
-    ("2x4-transposed", "none", AxisType.Explicit),
-    ("2x4-transposed", "mean", AxisType.Auto),
+    ("vocab-8", "mean", AxisType.Explicit, LCE_CHUNK),
+    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit, LCE_CHUNK),
+    ("rows-8", "none", AxisType.Explicit, LCE_CHUNK),
+    ("rows-8", "smoothing-zloss-lse", AxisType.Explicit, LCE_CHUNK),
+    ("2x4", "mean", AxisType.Explicit, LCE_CHUNK),
+    ("2x4", "none", AxisType.Explicit, LCE_CHUNK),
+    ("2x4", "smoothing-zloss-lse", AxisType.Explicit, LCE_CHUNK),
+    ("2x4-transposed", "none", AxisType.Explicit, LCE_CHUNK),
+    ("2x4-transposed", "mean", AxisType.Auto, LCE_CHUNK),
+    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit, LCE_ROWS),
+    ("rows-8", "none", AxisType.Explicit, LCE_ROWS),
+    ("2x4", "none", AxisType.Explicit, LCE_ROWS),
+    ("2x4-transposed", "smoothing-zloss-lse", AxisType.Auto, LCE_ROWS),
 ]
 
 
-@pytest.mark.parametrize("layout,option,axis_type", LCE_CASES)
-def test_linear_cross_entropy_sharded_matches_float64_without_gathering(layout, option, axis_type):
+@pytest.mark.parametrize("layout,option,axis_type,chunk", LCE_CASES)
+def test_linear_cross_entropy_sharded_matches_float64_without_gathering(
+    layout, option, axis_type, chunk
+):
     """linear_cross_entropy with the rows, the vocabulary or both split on the host
     devices (either weight layout): float64's values and gradients, the gradients split
     as their arguments, and no logits gathered or all-reduced."""
@@ -491,7 +499,7 @@ def test_linear_cross_entropy_sharded_matches_float64_without_gathering(layout, 
     mesh = jax.make_mesh(
         shape, axes, axis_types=(axis_type,) * len(axes), devices=jax.devices("cpu")[:8]
     )
-    t, d, v, chunk = 64, lce.HIDDEN, lce.V, 12
+    t, d, v = LCE_ROWS, lce.HIDDEN, lce.V
     opts = dict(LCE_OPTIONS[option], transpose_weight=transpose, chunk_size=chunk)
     args = lce.draw(t, d, v, transpose=transpose, ignored=0.1)
     vocab_axis = w_spec[0 if transpose else 1] if len(w_spec) else None

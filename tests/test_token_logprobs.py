@@ -226,15 +226,17 @@ def test_gpu_shapes_are_built():
     assert set(DTYPES) <= set(tests.dtypes)
 
 
+@pytest.mark.parametrize("chunk", (128, 300))
 @pytest.mark.parametrize("transpose", (False, True))
 @pytest.mark.parametrize(
     ("backend", "dtype"),
     [backend_param(b, d) for b in ("cpu", "gpu") for d in ("float32", "bfloat16")],
 )
-def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose):
-    """linear_token_logprobs in chunks (two whole and a part) gives token_logprobs of the
-    whole float32 logits h @ W + bias (its XLA formulation), and the same gradients of
-    h, W and the bias (to the rounding of the inputs' dtype)."""
+def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose, chunk):
+    """linear_token_logprobs in chunks (two whole and a part), or in one whose backward
+    takes the forward's logits, gives token_logprobs of the whole float32 logits
+    h @ W + bias (its XLA formulation), and the same gradients of h, W and the bias (to
+    the rounding of the inputs' dtype)."""
     t, d, v = 300, 64, 1000
     keys = jax.random.split(key_for("linear", dtype, transpose), 4)
     h = jax.random.normal(keys[0], (t, d), dtype)
@@ -251,7 +253,7 @@ def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose):
             labels,
             bias=bias,
             transpose_weight=transpose,
-            chunk_size=128,
+            chunk_size=chunk,
             preferred_element_type="float32",  # bfloat16 logits would differ by ~1e-2
             precision="highest" if dtype == "float32" else None,  # the GPU's default: TF32
             implementation=implementation,
@@ -260,7 +262,8 @@ def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose):
         return jnp.sum(coords * logp - ent), (logp, ent)
 
     grad = jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True)
-    launches = 4 if backend == "gpu" else 0  # forward and backward, in two loop bodies
+    bodies = 2 if chunk < t else 1  # the first chunk's, and the loop's over the others
+    launches = 2 * bodies if backend == "gpu" else 0  # the forward and the backward
     (_, outs), grads = run(backend, grad, h, w, bias, launches=launches)
     with jax.default_device(jax.devices("cpu")[0]):
         args = [np.asarray(a) for a in (h, w, bias)]
@@ -341,7 +344,8 @@ def test_linear_token_loss_matches_the_composition(backend, dtype, transpose):
 def test_linear_token_loss_takes_three_gemms_per_chunk():
     """The token loss's gradients come from the forward pass: three GEMMs in each loop
     body (the first chunk's and the others'), where the gradient of the same loss
-    through linear_token_logprobs makes each chunk's logits again (four)."""
+    through linear_token_logprobs makes each chunk's logits again (four), unless one
+    chunk holds every row (three: its backward takes the forward's logits)."""
     t, d, v = 300, 16, 100
     h, w = jnp.ones((t, d)), jnp.ones((d, v))
     labels, advantage = jnp.zeros(t, jnp.int32), jnp.ones(t)
@@ -352,13 +356,17 @@ def test_linear_token_loss_takes_three_gemms_per_chunk():
     def fused(h, w):
         return quack_jax.linear_token_loss(h, w, labels, per_token, advantage, chunk_size=128)
 
-    def composed(h, w):
-        logp, ent = quack_jax.linear_token_logprobs(
-            h, w, labels, return_entropy=True, chunk_size=128
-        )
-        return jnp.sum(jax.vmap(per_token)(logp, ent, advantage))
+    def composed(chunk):
+        def loss(h, w):
+            logp, ent = quack_jax.linear_token_logprobs(
+                h, w, labels, return_entropy=True, chunk_size=chunk
+            )
+            return jnp.sum(jax.vmap(per_token)(logp, ent, advantage))
+
+        return loss
 
     grads = functools.partial(jax.grad, argnums=(0, 1))
     assert gemm_count(grads(fused), h, w) == 2 * 3
-    assert gemm_count(grads(composed), h, w) == 2 * 4
+    assert gemm_count(grads(composed(128)), h, w) == 2 * 4
+    assert gemm_count(grads(composed(t)), h, w) == 3
     assert gemm_count(fused, h, w) == 2 * 1  # the value alone: the logits' GEMM

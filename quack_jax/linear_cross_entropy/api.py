@@ -56,8 +56,10 @@ def linear_cross_entropy(
     The rows of ``h`` go in chunks of at most ``chunk_size``: each chunk's logits are made by
     XLA's GEMM, and the cross-entropy kernel writes their gradient over them in place;
     the weight gradient accumulates in float32. A "sum" or "mean" loss computes its
-    gradients in the forward pass; per-row losses recompute each chunk's logits in the
-    backward. Results and gradients are those of ``cross_entropy`` of the full logits.
+    gradients in the forward pass; per-row losses make each chunk's logits again in the
+    backward, or where one chunk holds every row keep that chunk's logits from the
+    forward pass for it (the buffer the backward would make; one GEMM fewer). Results
+    and gradients are those of ``cross_entropy`` of the full logits.
     A vocabulary that is not a multiple of 8 is padded with zeros to a multiple of 64 for
     the GEMMs (a padded copy of the weight), whose misaligned rows would run about three
     times slower; the loss never sees the padding.
@@ -141,8 +143,9 @@ def linear_token_logprobs(
     """``token_logprobs(h @ weight + bias, labels, ...)`` without making the logits: the
     log-probability of each row's label at ``temperature``, and with ``return_entropy``
     the entropy, in the chunks of :func:`linear_cross_entropy` (whose per-row path it
-    takes: under ``jax.grad`` the backward makes each chunk's logits again and runs the
-    backward kernel over them for the cotangents of both outputs).
+    takes: under ``jax.grad`` the backward makes each chunk's logits again, or takes the
+    logits of a single chunk from the forward pass, and runs the backward kernel over
+    them for the cotangents of both outputs).
 
     Args:
       h, weight, labels, bias, transpose_weight: as in :func:`linear_cross_entropy`.
@@ -211,9 +214,10 @@ def linear_token_loss(
 
     but in three GEMMs per chunk instead of four: ``jax.grad`` of that composition knows
     the tokens' cotangents only in the backward pass, which makes each chunk's logits
-    again. Here each chunk runs the forward kernel, ``loss_fn``'s derivatives by
-    ``jax.vjp``, then the backward kernel over the same logits, and its GEMMs for dh and
-    dW. A policy-gradient loss (GRPO, PPO) with an entropy bonus is such a loss.
+    again (where there is more than one chunk). Here each chunk runs the forward kernel,
+    ``loss_fn``'s derivatives by ``jax.vjp``, then the backward kernel over the same
+    logits, and its GEMMs for dh and dW. A policy-gradient loss (GRPO, PPO) with an
+    entropy bonus is such a loss.
 
     ``loss_fn`` takes one token's values, float scalars, and returns a float scalar; it
     is mapped over the tokens by ``jax.vmap``, so that each token's value depends on that

@@ -73,11 +73,21 @@ def row_names(mode: str, entropy: bool) -> tuple[str, ...]:
     return {"backward": (), "token_loss": ("value",)}.get(mode, stat_names(entropy))
 
 
-def unpack(operands, has_bias):
-    """(h, weight, bias or None, labels, [per-row operands])."""
+def result_names(mode: str, entropy: bool, kept_logits: bool) -> tuple[str, ...]:
+    """The results of ``mode`` before the gradients: ``row_names``, then in "loss" with
+    ``kept_logits`` the logits, which the backward takes instead of making them again
+    (docs/decisions/025-one-chunk-keeps-its-logits.md)."""
+    return row_names(mode, entropy) + ("logits",) * (mode == "loss" and kept_logits)
+
+
+def unpack(operands, has_bias, mode, kept_logits):
+    """(h, weight, bias or None, labels, the kept logits or None, [per-row operands]);
+    the backward with ``kept_logits`` takes the logits after the labels."""
     h, w, *rest = operands
     bias = rest.pop(0) if has_bias else None
-    return h, w, bias, rest[0], rest[1:]
+    labels = rest.pop(0)
+    logits = rest.pop(0) if mode == "backward" and kept_logits else None
+    return h, w, bias, labels, logits, rest
 
 
 def gradient_names(mode, needs):
@@ -91,16 +101,28 @@ def gradient_names(mode, needs):
 
 
 def chunked(
-    *operands, mode, needs, has_bias, linear, options, entropy, token_loss, row=WHOLE, data_axes=()
+    *operands,
+    mode,
+    needs,
+    has_bias,
+    linear,
+    options,
+    entropy,
+    token_loss,
+    kept_logits,
+    row=WHOLE,
+    data_axes=(),
 ):
     """The op on operands whose rows (and, with ``row``, vocabulary slice) are this
     device's; ``data_axes`` are the mesh axes that split the rows, over which dW and the
-    bias gradient are summed. Results: the per-row results (``row_names``), then the
-    gradients in ``needs``: dh (h's dtype), dW and db (float32), and the per-token
-    arguments' (float32)."""
-    h, w, bias, labels, per_row = unpack(operands, has_bias)
+    bias gradient are summed. Results: the per-row results (``row_names``), the logits
+    in "loss" with ``kept_logits`` (the backward with ``kept_logits`` takes them instead
+    of making each chunk's again), then the gradients in ``needs``: dh (h's dtype), dW
+    and db (float32), and the per-token arguments' (float32)."""
+    h, w, bias, labels, given, per_row = unpack(operands, has_bias, mode, kept_logits)
     lead, d = labels.shape, h.shape[-1]
     h, labels = h.reshape(-1, d), labels.reshape(-1)
+    given = None if given is None else given.reshape(-1, given.shape[-1])
     per_row = [p.reshape(-1) for p in per_row]
     t, stat = h.shape[0], compute_dtype(linear.preferred_element_type)
     grads = gradient_names(mode, needs)
@@ -110,11 +132,13 @@ def chunked(
     w, bias = linear.padded(w, bias)
     padding = linear.vocab(w) - vocab
     stats = row_names(mode, entropy)
+    made = result_names(mode, entropy, kept_logits)
     shapes = {k: ((t,), stat) for k in stats + grads} | {"dh": ((t, d), h.dtype)}
     shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab + padding,), jnp.float32)}
+    shapes |= {"logits": ((t, vocab), linear.preferred_element_type)}
     # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
     # written by the first chunk
-    results = stats + tuple(k for k in grads if k not in ("dw", "db"))
+    results = made + tuple(k for k in grads if k not in ("dw", "db"))
     carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
     # ceil(t / chunk) chunks of equal size; when that size does not divide t, the last
@@ -137,8 +161,15 @@ def chunked(
             }
 
         hc = rows(h)
-        logits = linear.logits(hc, w, bias)
-        logits = logits[:, :vocab] if padding else logits
+        if given is None:
+            logits = linear.logits(hc, w, bias)
+            logits = logits[:, :vocab] if padding else logits
+        else:
+            logits = rows(given)
+        if "logits" in made:
+            carry = carry | {
+                "logits": lax.dynamic_update_slice_in_dim(carry["logits"], logits, start, 0)
+            }
         if mode == "token_loss":
             values, dlogits = _token_loss_chunk(
                 logits,
@@ -203,9 +234,9 @@ def chunked(
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
     # the per-row results in the rows' shape; dW and db as they are
-    lead_shapes = {"dh": (*lead, d), "dw": None, "db": None}
+    lead_shapes = {"dh": (*lead, d), "dw": None, "db": None, "logits": (*lead, vocab)}
     outs = []
-    for k in stats + grads:
+    for k in made + grads:
         shape = lead_shapes.get(k, lead)
         outs.append(carry[k] if shape is None else carry[k].reshape(shape))
     return outs

@@ -2,8 +2,10 @@
 gradients autodiff asks for (``symbolic_zeros``). A "sum" or "mean" loss alone has its
 gradients at the end of the forward pass, which the cotangent scales; per-row losses (or
 lse) keep the row statistics, and the backward makes each chunk's logits again and runs
-the backward kernel over them in place. A token loss, a sum of per-token values, has its
-gradients at the end of the forward pass too."""
+the backward kernel over them in place, or where one chunk holds every row takes that
+chunk's logits from the forward pass
+(docs/decisions/025-one-chunk-keeps-its-logits.md). A token loss, a sum of per-token
+values, has its gradients at the end of the forward pass too."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ class Call:
     token_loss: TokenLoss | None = None
     arg_dtypes: tuple[str, ...] = ()
 
-    def bind(self, mode, needs, h, w, bias, labels, *per_row):
+    def bind(self, mode, needs, h, w, bias, labels, *per_row, kept_logits=False, logits=None):
         entropy = self.entropy and mode != "grad"
         return bind(
             mode,
@@ -50,6 +52,8 @@ class Call:
             options=self.options,
             entropy=entropy,
             token_loss=self.token_loss,
+            kept_logits=kept_logits,
+            logits=logits,
         )
 
     def gradients(self, needs, grads, scale=None):
@@ -108,7 +112,8 @@ def _reduced_backward(call: Call, saved, g):
 reduced.defvjp(_reduced_forward, _reduced_backward, symbolic_zeros=True)
 
 
-# per-row losses (or lse): the backward makes each chunk's logits again
+# per-row losses (or lse): the backward makes each chunk's logits again, or takes them
+# from the forward pass where one chunk holds every row
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -121,8 +126,11 @@ def per_row(call: Call, h, w, bias, labels):
 def _per_row_forward(call: Call, h, w, bias, labels):
     needs = _needs(h, w, bias)
     h, w, bias, labels = _values(h, w, bias, labels)
-    loss, shift, logsum, *ent = call.bind("loss", needs, h, w, bias, labels)
-    return (loss, shift + logsum, *ent), (needs, h, w, bias, labels, shift, logsum, ent)
+    keep = call.linear.one_chunk(labels.size) and needs != NOTHING
+    loss, shift, logsum, *rest = call.bind("loss", needs, h, w, bias, labels, kept_logits=keep)
+    ent, logits = (rest[:-1], rest[-1]) if keep else (rest, None)
+    saved = (needs, h, w, bias, labels, shift, logsum, ent, logits)
+    return (loss, shift + logsum, *ent), saved
 
 
 def _dense(cotangent, like):
@@ -132,13 +140,17 @@ def _dense(cotangent, like):
 
 
 def _per_row_backward(call: Call, saved, cotangents):
-    needs, h, w, bias, labels, shift, logsum, ent = saved
+    needs, h, w, bias, labels, shift, logsum, ent, logits = saved
     lse = shift + logsum
     g_loss, g_lse, *g_ent = (_dense(c, lse) for c in cotangents)
     terms = (g_ent[0], logsum, ent[0]) if call.entropy else None
     vocab = call.linear.vocab(w)
     coefficient = coefficients(labels, vocab, call.options, lse, g_loss, g_lse, terms)
-    grads = call.bind("backward", needs, h, w, bias, labels, shift, logsum, *coefficient)
+    kept = logits is not None
+    per_row = (shift, logsum, *coefficient)
+    grads = call.bind(
+        "backward", needs, h, w, bias, labels, *per_row, kept_logits=kept, logits=logits
+    )
     return call.gradients(needs, grads)
 
 

@@ -50,6 +50,12 @@ class LinearOptions:
             a, b, (contract, ((), ())), precision=self.precision, preferred_element_type=dtype
         )
 
+    def one_chunk(self, rows: int) -> bool:
+        """Whether one chunk holds all ``rows``: the per-row backward then takes that
+        chunk's logits from the forward pass instead of making them again
+        (docs/decisions/025-one-chunk-keeps-its-logits.md)."""
+        return rows <= self.chunk_size
+
     def vocab(self, w) -> int:
         return w.shape[0 if self.transpose_weight else 1]
 

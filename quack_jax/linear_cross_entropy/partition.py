@@ -12,17 +12,18 @@ import functools
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .._partition import WHOLE, Row, count, custom_partitioned, dims_spec, names
-from .chunks import chunked, gradient_names, row_names
+from .chunks import chunked, gradient_names, result_names, unpack
 
 
-def _factors(mode, needs, has_bias, entropy, transpose, lead_rank, n_per_row):
+def _factors(mode, needs, has_bias, entropy, kept_logits, transpose, lead_rank, n_per_row):
     """The Shardy factors of each operand and result: b0.. for the rows, d, v."""
     rows = tuple(f"b{i}" for i in range(lead_rank))
     weight = ("v", "d") if transpose else ("d", "v")
-    ins = [(*rows, "d"), weight] + [("v",)] * has_bias + [rows] * (1 + n_per_row)
-    grad = {"dh": (*rows, "d"), "dw": weight, "db": ("v",)}
-    outs = [rows] * len(row_names(mode, entropy))
-    return ins, outs + [grad.get(k, rows) for k in gradient_names(mode, needs)]
+    logits = [(*rows, "v")] * (mode == "backward" and kept_logits)
+    ins = [(*rows, "d"), weight] + [("v",)] * has_bias + [rows] + logits + [rows] * n_per_row
+    made = {"dh": (*rows, "d"), "dw": weight, "db": ("v",), "logits": (*rows, "v")}
+    results = result_names(mode, entropy, kept_logits) + gradient_names(mode, needs)
+    return ins, [made.get(k, rows) for k in results]
 
 
 def partitioned(params, avals_in, avals_out):
@@ -33,9 +34,10 @@ def partitioned(params, avals_in, avals_out):
     if lead_rank == 0:  # a single row: nothing to split
         return whole
     transpose = params["linear"].transpose_weight
-    n_per_row = len(avals_in) - 3 - params["has_bias"]
-    flags = (params[k] for k in ("mode", "needs", "has_bias", "entropy"))
-    ins, outs = _factors(*flags, transpose, lead_rank, n_per_row)
+    mode, has_bias, kept = params["mode"], params["has_bias"], params["kept_logits"]
+    *_, per_row = unpack(avals_in, has_bias, mode, kept)
+    flags = (mode, params["needs"], has_bias, params["entropy"], kept)
+    ins, outs = _factors(*flags, transpose, lead_rank, len(per_row))
 
     def layout(mesh, arg_shapes):
         *lead, _ = dims_spec(mesh, arg_shapes[0].sharding, arg_shapes[0])

@@ -1,9 +1,11 @@
 """The linear + cross-entropy primitive: (h, weight, [bias], labels, [per-row operands])
 -> the per-row results and the gradients that autodiff asks for. ``mode`` is "loss"
-(the per-row results), "grad" (also the gradients of a weighted sum of the losses, in
-the forward pass), "backward" (the gradients from per-row coefficients, each chunk's
-logits made again) or "token_loss" (a ``TokenLoss``'s values per row, and the gradients
-of their sum, in the forward pass; the per-row operands are its arguments). Its
+(the per-row results, and with ``kept_logits`` the logits), "grad" (also the gradients
+of a weighted sum of the losses, in the forward pass), "backward" (the gradients from
+per-row coefficients, each chunk's logits made again, or with ``kept_logits`` taken
+from an operand after the labels) or "token_loss" (a ``TokenLoss``'s values per row,
+and the gradients of their sum, in the forward pass; the per-row operands are its
+arguments). Its
 lowering is the chunked loop (``chunks.py``), partitioned under a sharded ``jit``
 (``partition.py``); off the GPU the same chunks run through the XLA references, so the
 memory saving holds everywhere."""
@@ -16,23 +18,39 @@ from jax import lax
 from jax.interpreters import batching, mlir
 
 from .._jax_private import new_primitive
-from .._partition import STAT, role_aval
+from .._partition import STAT, names, role_aval
 from .._primitive import compute_dtype
-from .chunks import gradient_names, row_names, unpack
+from .chunks import gradient_names, result_names, unpack
 from .partition import partitioned
 
 
-def _abstract(*avals, mode, needs, has_bias, linear, options, entropy, token_loss):
-    h, w, bias, _, _ = unpack(avals, has_bias)
+def _logits_aval(h, w, linear):
+    """The logits (*rows, V) in the logits' dtype; under explicit sharding split as h's
+    rows and the weight's vocabulary (unless that axis already splits the rows)."""
+    axis = 0 if linear.transpose_weight else 1
+    rows = (tuple(h.sharding.spec) + (None,) * h.ndim)[: h.ndim - 1]
+    vocab = (tuple(w.sharding.spec) + (None,) * 2)[axis]
+    taken = {a for r in rows for a in names(r)}
+    return h.update(
+        shape=(*h.shape[:-1], w.shape[axis]),
+        dtype=np.dtype(linear.preferred_element_type),
+        weak_type=False,
+        sharding=h.sharding.update(spec=(*rows, None if taken & set(names(vocab)) else vocab)),
+    )
+
+
+def _abstract(*avals, mode, needs, has_bias, linear, options, entropy, token_loss, kept_logits):
+    h, w, bias, _, _, _ = unpack(avals, has_bias, mode, kept_logits)
     stat = role_aval(h, STAT, compute_dtype(linear.preferred_element_type))
-    grad = {
+    made = {
         "dh": h.update(weak_type=False),
         "dw": w.update(dtype=np.dtype("float32"), weak_type=False),
+        "logits": _logits_aval(h, w, linear),
     }
     if bias is not None:
-        grad["db"] = bias.update(dtype=np.dtype("float32"), weak_type=False)
-    outs = [stat] * len(row_names(mode, entropy))
-    return outs + [grad.get(k, stat) for k in gradient_names(mode, needs)]
+        made["db"] = bias.update(dtype=np.dtype("float32"), weak_type=False)
+    results = result_names(mode, entropy, kept_logits) + gradient_names(mode, needs)
+    return [made.get(k, stat) for k in results]
 
 
 def _batch(operands, dims, *, mode, needs, has_bias, **params):
@@ -70,10 +88,26 @@ batching.primitive_batchers[primitive] = _batch
 mlir.register_lowering(primitive, _lower)
 
 
-def bind(mode, needs, h, w, bias, labels, *per_row, linear, options, entropy, token_loss=None):
-    """The primitive of ``mode`` on h, the weight, the bias (or None), the labels and the
-    per-row operands."""
-    operands = (h, w) + ((bias,) if bias is not None else ()) + (labels, *per_row)
+def bind(
+    mode,
+    needs,
+    h,
+    w,
+    bias,
+    labels,
+    *per_row,
+    linear,
+    options,
+    entropy,
+    token_loss=None,
+    kept_logits=False,
+    logits=None,
+):
+    """The primitive of ``mode`` on h, the weight, the bias (or None), the labels, the
+    logits that "loss" kept (the backward with ``kept_logits``) and the per-row
+    operands."""
+    operands = (h, w) + ((bias,) if bias is not None else ()) + (labels,)
+    operands += ((logits,) if logits is not None else ()) + per_row
     return primitive.bind(
         *operands,
         mode=mode,
@@ -83,4 +117,5 @@ def bind(mode, needs, h, w, bias, labels, *per_row, linear, options, entropy, to
         options=options,
         entropy=entropy,
         token_loss=token_loss,
+        kept_logits=kept_logits,
     )
