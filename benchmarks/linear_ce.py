@@ -60,7 +60,9 @@ TABLE = [(16384, 4096, 128256), (8192, 2304, 256000), (32768, 4096, 152064)]
 TABLE += [(65536, 4096, 152064)]
 SHAPES = list(dict.fromkeys(TABLE + [(2 * t, d, v) for t, d, v in TABLE]))
 SHAPES += [(16384, 4096, v) for v in (32000, 50257, 152064, 256000)]
-GRPO_SHAPES = [(8192, 2304, 256000)]
+# Gemma 2 2B's head in 2048-row chunks; Llama 3 8B's at 4096 tokens, one chunk, whose
+# backward takes the forward's logits (docs/decisions/025-one-chunk-keeps-its-logits.md)
+GRPO_SHAPES = [(8192, 2304, 256000), (4096, 4096, 128256)]
 DTYPES = ("bfloat16", "float32")
 SETS = ("ce", "grpo")
 VARIANTS = ("gemms", "fused", "token_loss", "unfused", "xla")
