@@ -538,8 +538,8 @@ def test_a_last_chunk_that_overlaps_costs_no_memory(backend):
 def test_kept_logits_cost_no_memory(backend):
     """The logits that one chunk keeps for the per-row backward take the place of those
     it would make again: per-row losses need no more memory than a "sum", whose
-    gradients come from the forward pass over the same chunk. The per-row path's
-    statistics may add a few kilobytes, nothing the size of a chunk's logits."""
+    gradients come from the forward pass over the same chunk. The per-row path may add
+    up to 64 bytes a row (its statistics), nothing the size of a chunk's logits."""
     t, d, v = 4096, 64, MEMORY_V
     per_row = compiled_bytes(fused(t, reduction="none"), t, d, v)
     assert per_row <= compiled_bytes(fused(t, reduction="sum"), t, d, v) + 64 * t
