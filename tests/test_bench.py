@@ -241,5 +241,6 @@ def test_linear_ce_rows_hold_every_variant_of_a_set(tmp_path, monkeypatch):
         losses = [row[f"{v}_loss"] for v in ran if v != "gemms"]
         assert max(losses) - min(losses) <= 1e-4 * (1 + abs(losses[0])), losses
         assert isinstance(row["meets"], bool) and row["fused_over_gemms"] > 0
-    assert rows[1]["token_loss_over_xla"] > 0  # the grpo row's target
+    assert rows[1]["fused_over_xla"] > 0 and rows[1]["token_loss_over_xla"] > 0
+    assert isinstance(rows[1]["token_loss_meets"], bool)  # the grpo row's targets
     assert "| 64 x 16 x 100 | float32 | grpo |" in (tmp_path / "linear_ce.md").read_text()
