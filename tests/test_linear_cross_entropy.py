@@ -636,6 +636,27 @@ def test_one_chunk_keeps_its_logits(options):
     assert gemm_count(grads(T - 1), h, w) == 2 * 4
 
 
+@pytest.mark.parametrize("options", [dict(reduction="none"), dict(reduction="sum")])
+def test_one_chunk_dw_in_weight_dtype(options):
+    """Where one chunk holds every row, the per-row backward's dW GEMM writes the weight's
+    dtype, as nothing scales dW after it; a "sum" (scaled by its cotangent after) and two
+    chunks (summed over them) make dW in float32."""
+    h, w, _, labels, _, _ = draw()
+    h, w = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    shape = "x".join(map(str, w.shape))
+
+    def dw_dtypes(chunk):
+        def loss(h, w):
+            out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk, **options)
+            return jnp.sum(out.astype(jnp.float32))
+
+        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).as_text()
+        return re.findall(rf"dot_general.*-> tensor<{shape}x(\w+)>", text)
+
+    assert dw_dtypes(T) == (["bf16"] if options["reduction"] == "none" else ["f32"])
+    assert set(dw_dtypes(T - 1)) == {"f32"}
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_one_chunk_per_example_under_vmap(backend):
     """vmap of per-row losses whose examples each fit one chunk: the forward takes the

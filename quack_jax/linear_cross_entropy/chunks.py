@@ -80,6 +80,13 @@ def result_names(mode: str, entropy: bool, kept_logits: bool) -> tuple[str, ...]
     return row_names(mode, entropy) + ("logits",) * (mode == "loss" and kept_logits)
 
 
+def dw_dtype(mode, kept_logits, weight_dtype):
+    """dW's dtype: the weight's in the backward that takes the kept logits (its rows'
+    cotangents are in dlogits, so nothing scales dW after it), float32 otherwise (it is
+    scaled by the cotangent, then cast) (docs/decisions/026-one-chunk-dw-in-weight-dtype.md)."""
+    return weight_dtype if mode == "backward" and kept_logits else jnp.float32
+
+
 def unpack(operands, has_bias, mode, kept_logits):
     """(h, weight, bias or None, labels, the kept logits or None, [per-row operands]);
     the backward with ``kept_logits`` takes the logits after the labels."""
@@ -118,7 +125,7 @@ def chunked(
     bias gradient are summed. Results: the per-row results (``row_names``), the logits
     in "loss" with ``kept_logits`` (the backward with ``kept_logits`` takes them instead
     of making each chunk's again), then the gradients in ``needs``: dh (h's dtype), dW
-    and db (float32), and the per-token arguments' (float32)."""
+    (``dw_dtype``) and db (float32), and the per-token arguments' (float32)."""
     h, w, bias, labels, given, per_row = unpack(operands, has_bias, mode, kept_logits)
     lead, d = labels.shape, h.shape[-1]
     h, labels = h.reshape(-1, d), labels.reshape(-1)
@@ -146,6 +153,9 @@ def chunked(
     # gradient coefficients, and their dh is kept
     chunks = -(-t // linear.chunk_size)
     size = -(-t // chunks) if t else 0
+    # one chunk and no sum over devices: the dW GEMM writes dW's dtype itself
+    dw_type = dw_dtype(mode, kept_logits, w.dtype)
+    dw_gemm = dw_type if chunks == 1 and not data_axes else jnp.float32
 
     def step(i, carry):
         start = jnp.minimum(i * size, t - size)
@@ -215,7 +225,7 @@ def chunked(
             carry["dh"] = lax.dynamic_update_slice_in_dim(carry["dh"], dh, start, 0)
         sums = {}
         if "dw" in grads:
-            sums["dw"] = linear.dw(hc, dlogits)
+            sums["dw"] = linear.dw(hc, dlogits, dw_gemm)
         if "db" in grads:
             sums["db"] = jnp.sum(dlogits, axis=0, dtype=jnp.float32)
         # the first chunk writes dW and db, the others add to them
@@ -233,6 +243,8 @@ def chunked(
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
+    if "dw" in carry:
+        carry["dw"] = carry["dw"].astype(dw_type)
     # the per-row results in the rows' shape; dW and db as they are
     lead_shapes = {"dh": (*lead, d), "dw": None, "db": None, "logits": (*lead, vocab)}
     outs = []

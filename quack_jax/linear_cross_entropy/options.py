@@ -77,11 +77,11 @@ class LinearOptions:
     def dh(self, dlogits, w):
         return self._dot(dlogits, w, ((1,), (0 if self.transpose_weight else 1,)), jnp.float32)
 
-    def dw(self, h, dlogits):
-        """The chunk's weight gradient in the weight's layout."""
+    def dw(self, h, dlogits, dtype):
+        """The chunk's weight gradient in the weight's layout, in ``dtype``."""
         if self.transpose_weight:
-            return self._dot(dlogits, h, ((0,), (0,)), jnp.float32)
-        return self._dot(h, dlogits, ((0,), (0,)), jnp.float32)
+            return self._dot(dlogits, h, ((0,), (0,)), dtype)
+        return self._dot(h, dlogits, ((0,), (0,)), dtype)
 
     @classmethod
     def of(cls, fn, h, weight, bias, *, transpose_weight, chunk_size, precision, preferred):

@@ -20,7 +20,7 @@ from jax.interpreters import batching, mlir
 from .._jax_private import new_primitive
 from .._partition import STAT, names, role_aval
 from .._primitive import compute_dtype
-from .chunks import gradient_names, result_names, unpack
+from .chunks import dw_dtype, gradient_names, result_names, unpack
 from .partition import partitioned
 
 
@@ -44,7 +44,7 @@ def _abstract(*avals, mode, needs, has_bias, linear, options, entropy, token_los
     stat = role_aval(h, STAT, compute_dtype(linear.preferred_element_type))
     made = {
         "dh": h.update(weak_type=False),
-        "dw": w.update(dtype=np.dtype("float32"), weak_type=False),
+        "dw": w.update(dtype=np.dtype(dw_dtype(mode, kept_logits, w.dtype)), weak_type=False),
         "logits": _logits_aval(h, w, linear),
     }
     if bias is not None:
