@@ -657,6 +657,40 @@ def test_one_chunk_dw_in_weight_dtype(options):
     assert set(dw_dtypes(T - 1)) == {"f32"}
 
 
+class _Device:
+    """A device that reports ``free`` bytes of memory (None: no ``memory_stats``)."""
+
+    def __init__(self, free):
+        self.free = free
+
+    def memory_stats(self):
+        return None if self.free is None else {"bytes_limit": self.free + 7, "bytes_in_use": 7}
+
+
+@pytest.mark.parametrize(
+    "tokens, vocab, itemsize, free, rows",
+    [
+        (16384, 128256, 2, None, 4096),  # 1 GiB of logits: 4186 rows, in 128s
+        (16384, 32000, 4, None, 8320),  # 8388 rows, in 128s
+        (8192, 256000, 4, None, 2048),  # 1 GiB holds 1048 rows; at least 2048
+        (16384, 524288, 2, None, 2048),
+        (8192, 256000, 4, 4 << 30, 512),  # 1/8 of the free memory: 524 rows
+        (8192, 256000, 4, 1 << 20, 128),  # at least 128 rows
+        (1000, 256000, 4, None, 1000),  # at most every row
+        (100, 256000, 4, 1 << 20, 100),
+        (0, 256000, 4, None, 1),
+    ],
+)
+def test_default_chunk(monkeypatch, tokens, vocab, itemsize, free, rows):
+    """The default chunk: 1 GiB of logits, or 2048 rows where that is more, within 1/8 of
+    the free memory, in multiples of 128 rows, at least 128 (or every row), at most every
+    row (docs/decisions/027-chunks-of-at-least-2048-rows.md)."""
+    from quack_jax.linear_cross_entropy import options
+
+    monkeypatch.setattr(options.jax, "local_devices", lambda: [_Device(free)])
+    assert options.default_chunk(tokens, vocab, itemsize) == rows
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_one_chunk_per_example_under_vmap(backend):
     """vmap of per-row losses whose examples each fit one chunk: the forward takes the

@@ -76,10 +76,11 @@ def linear_cross_entropy(
         :func:`quack_jax.cross_entropy`.
       logit_softcap, temperature, return_lse: as in :func:`quack_jax.cross_entropy`.
       chunk_size: the most rows per chunk, a positive int; by default (None) the rows
-        whose logits take at most 1 GiB and 1/8 of the free device memory (see
-        ``default_chunk``). The rows go in ceil(T / chunk_size) chunks of equal size;
-        where that size does not divide T, the last chunk ends at row T and overlaps
-        the one before it (its rows done before get no second gradient).
+        whose logits take at most 1 GiB (or 2048 rows where that is more), and at
+        most 1/8 of the free device memory (see ``default_chunk``). The rows go in
+        ceil(T / chunk_size) chunks of equal size; where that size does not divide T,
+        the last chunk ends at row T and overlaps the one before it (its rows done
+        before get no second gradient).
       precision: of the three GEMMs, as in ``jax.lax.dot_general``.
       preferred_element_type: the logits' dtype (default: h's). The backward GEMMs take
         dlogits in h's dtype.

@@ -16,11 +16,13 @@ from jax import lax
 from .._checks import float_array
 from .._partition import varying_like
 
-# the default chunk: rows whose logits take at most this many bytes, and at most this
-# fraction of the free device memory, a multiple of CHUNK_MULTIPLE rows: large enough
-# that each chunk's GEMMs run near the whole-T GEMMs' speed, small next to XLA's whole
-# logits (docs/decisions/017-linear-cross-entropy-chunks.md)
+# the default chunk: rows whose logits take at most CHUNK_BYTES, but at least
+# CHUNK_MIN_ROWS rows, and at most CHUNK_FREE_FRACTION of the free device memory, a
+# multiple of CHUNK_MULTIPLE rows: large enough that each chunk's GEMMs run near the
+# whole-T GEMMs' speed, small next to XLA's whole logits
+# (docs/decisions/017-linear-cross-entropy-chunks.md, 027-chunks-of-at-least-2048-rows.md)
 CHUNK_BYTES = 1 << 30
+CHUNK_MIN_ROWS = 2048
 CHUNK_FREE_FRACTION = 1 / 8
 CHUNK_MULTIPLE = 128
 _PRECISIONS = tuple(p.name for p in lax.Precision)
@@ -132,16 +134,18 @@ class LinearOptions:
 
 
 def default_chunk(tokens: int, vocab: int, itemsize: int) -> int:
-    """The default ``chunk_size``: rows whose logits take at most ``CHUNK_BYTES`` (1 GiB)
-    and at most ``CHUNK_FREE_FRACTION`` (1/8) of the default device's free memory where
-    it reports it, a multiple of ``CHUNK_MULTIPLE`` (128) rows, at least that many, and
-    no more than ``tokens``."""
-    budget = CHUNK_BYTES
+    """The default ``chunk_size``: rows whose logits take at most ``CHUNK_BYTES`` (1 GiB),
+    or ``CHUNK_MIN_ROWS`` (2048) rows where that is more, and at most
+    ``CHUNK_FREE_FRACTION`` (1/8) of the default device's free memory where it reports
+    it, a multiple of ``CHUNK_MULTIPLE`` (128) rows, at least that many, and no more
+    than ``tokens``."""
+    row_bytes = max(vocab * itemsize, 1)
+    rows = max(CHUNK_BYTES // row_bytes, CHUNK_MIN_ROWS)
     stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        budget = min(budget, int(free * CHUNK_FREE_FRACTION))
-    rows = budget // max(vocab * itemsize, 1) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+        rows = min(rows, int(free * CHUNK_FREE_FRACTION) // row_bytes)
+    rows = rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE
     return max(min(rows, tokens), min(CHUNK_MULTIPLE, tokens), 1)
 
 
