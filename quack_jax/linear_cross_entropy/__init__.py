@@ -5,7 +5,9 @@ The (tokens, vocabulary) logits never exist whole. For each chunk of rows XLA's 
 makes the chunk's logits, and the cross-entropy kernel that writes the gradient writes it
 over them (an aliased output, so the chunk has one (rows, V) buffer); two more GEMMs give
 the chunk's rows of dh and add its share of dW (and of the bias gradient) to float32
-accumulators. Why chunks of this size, equal and overlapping, with a float32 dW:
+accumulators (where one chunk holds every row of a per-row backward, its GEMM writes dW
+in the weight's dtype: docs/decisions/026-one-chunk-dw-in-weight-dtype.md). Why chunks of
+this size, equal and overlapping, with a float32 dW:
 docs/decisions/017-linear-cross-entropy-chunks.md.
 
 Where a change goes:
