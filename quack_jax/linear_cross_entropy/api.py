@@ -55,10 +55,11 @@ def linear_cross_entropy(
 
     The rows of ``h`` go in chunks of at most ``chunk_size``: each chunk's logits are made by
     XLA's GEMM, and the cross-entropy kernel writes their gradient over them in place;
-    the weight gradient accumulates in float32. A "sum" or "mean" loss computes its
-    gradients in the forward pass; per-row losses make each chunk's logits again in the
-    backward, or where one chunk holds every row keep that chunk's logits from the
-    forward pass for it (the buffer the backward would make; one GEMM fewer). Results
+    the weight gradient accumulates over the chunks in float32. A "sum" or "mean" loss
+    computes its gradients in the forward pass; per-row losses make each chunk's logits
+    again in the backward, or where one chunk holds every row keep that chunk's logits
+    from the forward pass for it (the buffer the backward would make; one GEMM fewer),
+    and its weight gradient GEMM writes the weight's dtype. Results
     and gradients are those of ``cross_entropy`` of the full logits.
     A vocabulary that is not a multiple of 8 is padded with zeros to a multiple of 64 for
     the GEMMs (a padded copy of the weight), whose misaligned rows would run about three
