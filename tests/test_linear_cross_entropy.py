@@ -57,7 +57,8 @@ def draw(
     tag=(),
 ):
     """h (t, d); a weight (d, v), or (v, d) with ``transpose``, giving logits of about unit
-    size; a bias; labels with about a fraction ``ignored`` of them ``ignore_index``; the
+    size; a bias; labels with about a fraction ``ignored`` of them ``ignore_index`` (with
+    ``ignored`` and two rows or more: the first row, and never the second); the
     cotangents of the per-row losses and of lse."""
     keys = jax.random.split(key_for("lce", t, d, v, dtype, transpose, *tag), 6)
     h = jax.random.normal(keys[0], (t, d), jnp.float32)
@@ -65,6 +66,8 @@ def draw(
     bias = 0.5 * jax.random.normal(keys[2], (v,))
     labels = jax.random.randint(keys[3], (t,), 0, v)
     labels = jnp.where(jax.random.uniform(keys[4], (t,)) < ignored, ignore_index, labels)
+    if ignored and t >= 2:  # both kinds of row, whatever the draw
+        labels = labels.at[0].set(ignore_index).at[1].set((ignore_index + 1) % v)
     g = jax.random.normal(keys[5], (2, t), jnp.float32)
     return h.astype(dtype), w.astype(dtype), bias.astype(dtype), labels, g[0], 0.1 * g[1]
 
