@@ -185,15 +185,15 @@ def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
         dloss = (big[:, None] * p + (1 - s) * hit + s / v) * np.abs(slope)
         row = np.abs(lse) + np.abs(target) + s * np.mean(np.abs(x), -1) + zl * lse**2 + 1
         row = row + np.sum(dloss * u, -1) / loss_tol
-        moved = (np.abs(gl) * big + np.abs(gs))[:, None] * p
-        moved = moved * (u + np.sum(p * u, -1, keepdims=True))
+        ap = (np.abs(gl) * big + np.abs(gs))[:, None] * p  # |a| x p, a's own terms apart
+        moved = ap * (u + np.sum(p * u, -1, keepdims=True))
         if cap:  # the rounding also moves the softcap's slope, by 2 x slope / cap^2 per unit
             moved = moved + np.abs(dz_capped * 2 * x * slope / cap**2) * u
         # dz's own terms (a x p against the smoothing's share, which cancel where p is
         # near s / V), and the op's dz, from its float32 p, may round to the other
         # neighbour of the reference's: one unit of h's dtype either way
-        terms = (np.abs(gl) * big + np.abs(gs))[:, None] * p + (np.abs(gl) * (1 - s))[:, None] * hit
-        terms = (terms + (np.abs(gl) * s / v)[:, None]) * np.abs(slope)
+        target_terms = (np.abs(gl) * (1 - s))[:, None] * hit + (np.abs(gl) * s / v)[:, None]
+        terms = (ap + target_terms) * np.abs(slope)
         unit = float(jnp.finfo(dtype).eps)
         adz = terms * (1 + unit / TOL[dtype.name]) + moved / TOL[dtype.name]
         adw = np.abs(h64).T @ adz
