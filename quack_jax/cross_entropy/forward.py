@@ -55,49 +55,82 @@ def _forward_kernel(target: Target, avals_in, avals_out, *, options, entropy, gr
     return kernel_call(target, config, x, tiling, avals_out, aliases=aliases)
 
 
+def partial_keys(options, entropy) -> tuple[str, ...]:
+    """The names of ``partial_stats``'s parts, in order."""
+    keys = ("shift", "logsum", "target") + ("entropy",) * entropy
+    return keys + ("zsum",) * bool(options.label_smoothing)
+
+
+def partial_stats(logits, here, options, entropy):
+    """The statistics of one slice of each row's vocabulary, whose labels' columns are
+    ``here`` (counted from the slice's first): its shift and logsum (and entropy) as
+    if no label were in it, the target's z where the slice holds it (0 elsewhere), and
+    with label smoothing the sum of its z. ``combined`` makes the rows' from them."""
+    alone = dataclasses.replace(options, label_smoothing=0.0, z_loss=0.0)
+    _, shift, logsum, *h = forward.bind(
+        logits,
+        jnp.full_like(here, options.ignore_index),
+        options=alone,
+        entropy=entropy,
+        grad=False,
+        inplace=False,
+    )
+    z, _ = tempered(logits, options)
+    held = (here >= 0) & (here < logits.shape[-1])
+    parts = {"shift": shift, "logsum": logsum, "target": jnp.where(held, pick(z, here), 0.0)}
+    if entropy:
+        parts["entropy"] = h[0]
+    if options.label_smoothing:
+        parts["zsum"] = jnp.sum(z, axis=-1)
+    return parts
+
+
+def combined(parts, labels, n, options, entropy, top, total):
+    """The rows' (loss, shift, logsum, [entropy]) over a vocabulary of ``n`` from the
+    ``partial_stats`` of its slices; ``top`` and ``total`` take the max and the sum of
+    a part over the slices."""
+    # the slices' shifts are finite: the row's is their max, and each slice's sum of
+    # exponentials is rescaled to it
+    shift = top(parts["shift"])
+    logsum = jnp.log(total(jnp.exp(parts["shift"] - shift + parts["logsum"])))
+
+    def mean():
+        return total(parts["zsum"]) / n
+
+    loss = row_loss(shift, logsum, total(parts["target"]), mean, labels, n, options)
+    outs = [loss, shift, logsum]
+    if entropy:
+        # h = logsum - sum over slices of their share of p times E_slice[z] - shift
+        share = jnp.exp(parts["shift"] - shift + parts["logsum"] - logsum)
+        centre = (parts["shift"] - shift) + (parts["logsum"] - parts["entropy"])
+        outs.append(logsum - total(jnp.where(share > 0, share * centre, 0.0)))
+    return outs
+
+
 def forward_split(row, *, options, entropy, grad, inplace):
     """The forward on one device's slice of the vocabulary (``row``): the slices'
-    statistics (and entropies) combined with pmax and psum, the target logit from the
-    slice that holds it, then the loss. With ``grad``, the gradient comes from the
-    backward kernel on the slice, which needs the combined statistics. For a whole row,
-    the forward kernel alone."""
+    ``partial_stats`` combined with pmax and psum, then the loss. With ``grad``, the
+    gradient comes from the backward kernel on the slice, which needs the combined
+    statistics. For a whole row, the forward kernel alone."""
     axes = row.axes
 
     def local(logits, labels, *weights):
         if not axes:
             return bind_forward(logits, labels, options, *weights, entropy=entropy, inplace=inplace)
-        width = logits.shape[-1]
-        n = width * row.count
-        here = labels - row.start(width)
-        # the slice's statistics alone: no label is in it, no smoothing or z-loss
-        alone = dataclasses.replace(options, label_smoothing=0.0, z_loss=0.0)
-        _, shift_slice, logsum_slice, *h_slice = forward.bind(
-            logits,
-            jnp.full_like(labels, options.ignore_index),
-            options=alone,
-            entropy=entropy,
-            grad=False,
-            inplace=False,
+        n = logits.shape[-1] * row.count
+        here = labels - row.start(logits.shape[-1])
+        parts = partial_stats(logits, here, options, entropy)
+        outs = combined(
+            parts,
+            labels,
+            n,
+            options,
+            entropy,
+            lambda v: jax.lax.pmax(v, axes),
+            lambda v: jax.lax.psum(v, axes),
         )
-        # the slices' shifts are finite: the row's is their max, and each slice's sum of
-        # exponentials is rescaled to it
-        shift = jax.lax.pmax(shift_slice, axes)
-        logsum = jnp.log(jax.lax.psum(jnp.exp(shift_slice - shift + logsum_slice), axes))
-        z, _ = tempered(logits, options)
-        held = (here >= 0) & (here < width)
-        target = jax.lax.psum(jnp.where(held, pick(z, here), 0.0), axes)
-
-        def mean():
-            return row.mean(z)[..., 0]
-
-        loss = row_loss(shift, logsum, target, mean, labels, n, options)
-        outs = [loss, shift, logsum]
-        if entropy:
-            # h = logsum - sum over slices of their share of p times E_slice[z] - shift
-            share = jnp.exp(shift_slice - shift + logsum_slice - logsum)
-            centre = (shift_slice - shift) + (logsum_slice - h_slice[0])
-            outs.append(logsum - jax.lax.psum(jnp.where(share > 0, share * centre, 0.0), axes))
         if grad:
+            shift, logsum = outs[1:3]
             a, b, c = coefficients(labels, n, options, shift + logsum, weights[0])
             outs += backward.bind(
                 logits,
