@@ -126,12 +126,15 @@ def _local(aval, role: str, lead: tuple, mesh):
     return jax.ShapeDtypeStruct(shape, aval.dtype)
 
 
-def custom_partitioned(whole, avals_in, avals_out, layout, local, rule, reduction_factors=()):
+def custom_partitioned(
+    whole, avals_in, avals_out, layout, local, rule, reduction_factors=(), factor_sizes=None
+):
     """``whole`` (a function of the operands) as a ``custom_partitioning`` op that XLA
     partitions by the Shardy sharding ``rule``. ``layout(mesh, arg_shapes)`` gives the
     operands' and results' shardings and a plan; ``local(mesh, plan)`` the function each
     device runs on its shares. ``reduction_factors``: the rule's factors that the
-    results are reduced over (by ``local``'s collectives)."""
+    results are reduced over (by ``local``'s collectives); ``factor_sizes``: the sizes of
+    factors that appear only in compound ones."""
 
     @custom_partitioning
     def op(*operands):
@@ -158,6 +161,7 @@ def custom_partitioned(whole, avals_in, avals_out, layout, local, rule, reductio
         infer_sharding_from_operands=infer,
         sharding_rule=rule,
         reduction_factors=tuple(reduction_factors),
+        **(factor_sizes or {}),
     )
     return in_auto_axes(op, avals_in, avals_out)
 

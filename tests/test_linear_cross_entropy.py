@@ -37,6 +37,9 @@ from checks import (
 
 import quack_jax
 from quack_jax import _ffi
+from quack_jax.linear_cross_entropy import options as linear_options
+from quack_jax.linear_cross_entropy import spec as lce_spec
+from quack_jax.linear_cross_entropy.options import LinearOptions, Slices
 
 IGNORE = -100
 D, CHUNK = 64, 128  # the grid's hidden size and chunk: T = 300 is two whole chunks and a part
@@ -99,14 +102,36 @@ def loss_and_grads(wrt=ALL, **opts):
     return f
 
 
-def launches(t, opts, passes=None):
+def per_row_schedule(t, v, opts):
+    """The vocabulary slices per-row losses (or lse) of ``opts`` take on t rows (and
+    their kept count), or None where they go in chunks of rows."""
+    linear = LinearOptions(False, opts.get("chunk_size") or max(t, 1), "float32")
+    return linear.slices(t, v, keep=True)
+
+
+def per_row(opts):
+    return opts.get("reduction", "mean") == "none" or opts.get("return_lse")
+
+
+def loop_bodies(slices):
+    """(forward, backward) bodies over ``slices``, each run once: the loop over the
+    slices but the last max(kept, 1) (one body, if any), and each of those."""
+    n, kept = len(slices.widths), slices.kept
+    looped = n - max(kept, 1)
+    forward = (looped > 0) + n - looped
+    return forward, kept + (looped > 0) + n - looped - kept
+
+
+def launches(t, opts, v=V):
     """The kernels loss_and_grads launches on t rows: a pass over the chunks launches one
     for the first chunk and one in the loop over the others; a "sum" or "mean" loss takes
-    one pass (its gradients come from the forward), per-row losses (or lse) two."""
-    if passes is None:
-        passes = 2 if opts.get("reduction", "mean") == "none" or opts.get("return_lse") else 1
+    one pass (its gradients come from the forward), per-row losses (or lse) two, or one
+    for each of their slices' ``loop_bodies``."""
     chunks = -(-t // (opts.get("chunk_size") or max(t, 1)))
-    return passes * min(chunks, 2)
+    if not per_row(opts):
+        return min(chunks, 2)
+    slices = per_row_schedule(t, v, opts)
+    return sum(loop_bodies(slices)) if slices else 2 * min(chunks, 2)
 
 
 def reference(h, w, bias, labels, g, g_lse, opts, logits_dtype=None):
@@ -239,7 +264,8 @@ def compare(backend, opts, *args, wrt=ALL, jit=True, count=None, logits_dtype=No
     GPU; by default ``launches``) or eagerly; returns (out, grads)."""
     f = loss_and_grads(wrt, **opts)
     if jit:
-        count = launches(args[3].size, opts) if count is None else count
+        vocab = args[1].shape[0 if opts.get("transpose_weight") else 1]
+        count = launches(args[3].size, opts, vocab) if count is None else count
         out, grads = run(backend, f, *args, launches=count)
     else:
         out, grads = f(*args)
@@ -491,23 +517,27 @@ ODD_V = dict(cpu=997, gpu=50257)
 def test_a_misaligned_vocabulary_pads_only_the_gemms(backend, reduction, transpose, chunk):
     """Values and gradients of the vocabulary alone, as the reference's: the padding's
     zero logits never reach the loss, lse or label smoothing's mean, and dW and the bias
-    gradient keep the weight's shape. The GEMMs take the padded weight (of a multiple of
-    64 rows or columns). In one chunk, the per-row backward takes the forward's logits
-    of the vocabulary alone."""
+    gradient keep the weight's shape. The GEMMs take the padded weight, or per-row losses
+    its vocabulary slices, the last one padded: every vocabulary width a GEMM sees is a
+    multiple of 64. In one chunk, the per-row backward takes the forward's logits of the
+    vocabulary alone."""
     v = ODD_V[backend]
     h, w, bias, labels, g, g_lse = draw(v=v, transpose=transpose, tag=("odd",))
     opts = dict(reduction=reduction, transpose_weight=transpose, chunk_size=chunk)
     opts |= dict(label_smoothing=0.1, return_lse=reduction == "none")
     _, grads = compare(backend, opts, h, w, bias, labels, g, g_lse)
     assert grads["weight"].shape == w.shape and grads["bias"].shape == bias.shape
-    padded = -(-v // 64) * 64
     text = jax.jit(loss_and_grads(ALL, **opts)).lower(h, w, bias, labels, g, g_lse).as_text()
-    assert re.search(rf"dot_general.*{padded}", text), "no GEMM over the padded vocabulary"
+    t = h.shape[0]
+    rows = {t, -(-t // -(-t // chunk)), HIDDEN}  # the rows, a chunk's rows, d
+    gemms = [line for line in text.splitlines() if "dot_general" in line]
+    dims = {int(n) for line in gemms for n in re.findall(r"(\d+)x", line)}
+    assert gemms and all(n in rows or n % 64 == 0 for n in dims), dims
 
 
-def compiled_bytes(fn, t, d, v):
-    """temp + output bytes of the compiled value_and_grad (of h and W, of the sum of
-    per-row losses) in bfloat16."""
+def compiled_grads(fn, t, d, v):
+    """The compiled value_and_grad (of h and W, of the sum of per-row losses) in
+    bfloat16."""
     args = (
         jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
         jax.ShapeDtypeStruct((d, v), jnp.bfloat16),
@@ -517,9 +547,17 @@ def compiled_bytes(fn, t, d, v):
     def total(*args):
         return jnp.sum(fn(*args))
 
-    compiled = jax.jit(jax.value_and_grad(total, argnums=(0, 1))).lower(*args).compile()
-    memory = compiled.memory_analysis()
+    return jax.jit(jax.value_and_grad(total, argnums=(0, 1))).lower(*args).compile()
+
+
+def compiled_bytes(fn, t, d, v):
+    """temp + output bytes of ``compiled_grads``."""
+    memory = compiled_grads(fn, t, d, v).memory_analysis()
     return memory.temp_size_in_bytes + memory.output_size_in_bytes
+
+
+def compiled_text(fn, t, d, v):
+    return compiled_grads(fn, t, d, v).as_text()
 
 
 @pytest.mark.parametrize("backend", backends())
@@ -542,13 +580,37 @@ def test_a_last_chunk_that_overlaps_costs_no_memory(backend):
 
 @pytest.mark.parametrize("backend", backends())
 def test_kept_logits_cost_no_memory(backend):
-    """The logits that one chunk keeps for the per-row backward take the place of those
-    it would make again: per-row losses need no more memory than a "sum", whose
-    gradients come from the forward pass over the same chunk. The per-row path may add
-    up to 64 bytes a row (its statistics), nothing the size of a chunk's logits."""
+    """The logits that one slice (the whole vocabulary) keeps for the per-row backward
+    take the place of those it would make again: per-row losses need no more memory
+    than a "sum", whose gradients come from the forward pass over the same logits. The
+    per-row path may add up to 64 bytes a row (its statistics), nothing the size of the
+    logits."""
     t, d, v = 4096, 64, MEMORY_V
     per_row = compiled_bytes(fused(t, reduction="none"), t, d, v)
     assert per_row <= compiled_bytes(fused(t, reduction="sum"), t, d, v) + 64 * t
+
+
+@pytest.mark.parametrize("backend", backends("gpu"))
+def test_kept_slices_cost_their_logits_alone(monkeypatch, backend):
+    """Per-row losses over 4 vocabulary slices: keeping the logits of 3 costs those
+    logits and no more than keeping none, and keeping none costs no more than a "sum" in
+    chunks of rows (whose float32 dW the slices do without) and the float32 dh the
+    slices sum. The backward kernel writes dlogits over each slice's logits, kept or
+    made again, with no copy of them."""
+    t, d, v, chunk = 4096, 64, MEMORY_V, 1024
+    slice_bytes = t * 8000 * 2  # 32000 in 4 slices
+    kept = compiled_bytes(fused(chunk, reduction="none"), t, d, v)
+    text = compiled_text(fused(chunk, reduction="none"), t, d, v)
+    kernels = [line for line in text.splitlines() if f'custom_call_target="{_ffi.TARGET}"' in line]
+    backward = [line for line in kernels if "output_to_operand_aliasing" in line]
+    # the 3 kept slices, and the one made again in the loop
+    assert len(backward) == 4 and all("{{0}: (0, {})}" in x for x in backward), backward
+    assert not re.search(r"bf16\[4096,8000\]\S* copy\(", text), "a copy of a slice"
+    monkeypatch.setattr(linear_options, "_free_bytes", lambda: 0)
+    none_kept = compiled_bytes(fused(chunk, reduction="none"), t, d, v)
+    summed = compiled_bytes(fused(chunk, reduction="sum"), t, d, v)
+    assert kept <= none_kept + 3 * slice_bytes, (kept, none_kept)
+    assert none_kept <= summed + t * d * 4, (none_kept, summed)
 
 
 def inplace_case(dtype, transpose):
@@ -599,68 +661,119 @@ def test_gradient_of_one_argument(backend, wrt, reduction):
     assert want in made and all("True" not in m or m == want for m in made), made
 
 
-@pytest.mark.parametrize(
-    ("options", "forward", "backward"),
-    [
-        (dict(reduction="mean"), 3, 0),  # the gradients in the forward pass
-        (dict(reduction="sum"), 3, 0),
-        (dict(reduction="none"), 1, 3),  # the backward makes the logits again
-        (dict(reduction="mean", return_lse=True), 1, 3),
-    ],
-)
-def test_each_schedule_takes_its_gemms(options, forward, backward):
-    """The GEMMs of each schedule, per loop body: a "sum" or "mean" loss makes its
-    gradients with the logits (three), per-row losses (or lse) recompute each chunk's
-    logits in the backward (one, then three); dW accumulates in the loop's carry."""
-    h, w, _, labels, _, _ = draw()
+# (options, vocabulary, chunk, free memory) -> GEMMs in the lowering of the gradients and
+# of the value alone; a chunked loop has each GEMM twice (its first chunk's body and the
+# loop's), a loop over slices once, and each slice after it once
+SCHEDULES = {
+    # the gradients in the forward pass, in chunks of rows: 3 GEMMs a body
+    "mean": (dict(reduction="mean"), V, 8, None, 6, 2),
+    "sum": (dict(reduction="sum"), V, 8, None, 6, 2),
+    # 5 slices of 200, the last 3 kept: 1 (the loop) + 3 GEMMs in the forward, then
+    # 3 x 2 for the kept and 3 in the loop that makes the others again
+    "none, slices": (dict(reduction="none"), V, 8, None, 13, 2),
+    "lse, slices": (dict(reduction="mean", return_lse=True), V, 8, None, 13, 2),
+    # no memory to keep any: each slice's logits made again, 3 in the loop and 3 after
+    "none, slices, none kept": (dict(reduction="none"), V, 8, 0, 8, 2),
+    # one slice holds the vocabulary: its logits kept, 1 + 2
+    "none, one slice": (dict(reduction="none"), V, T, None, 3, 1),
+    # more rows than the vocabulary: chunks of rows, 1 + 3 a body
+    "none, chunks of rows": (dict(reduction="none"), 32, 8, None, 8, 2),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_schedule_takes_its_gemms(monkeypatch, name):
+    """The GEMMs of each schedule: a "sum" or "mean" loss makes its gradients with the
+    logits (three a chunk); per-row losses (or lse) go over vocabulary slices, whose
+    backward makes again the logits of those not kept (one GEMM, then two or three), or
+    where the rows outnumber the vocabulary over chunks of rows, whose backward makes
+    every chunk's again (one, then three)."""
+    options, v, chunk, free, grads, value = SCHEDULES[name]
+    if free is not None:
+        monkeypatch.setattr(linear_options, "_free_bytes", lambda: free)
+    h, w, _, labels, _, _ = draw(v=v)
 
     def loss(h, w):
-        out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=8, **options)
+        out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk, **options)
         return jnp.sum(out[0] if isinstance(out, tuple) else out)
 
-    assert gemm_count(jax.grad(loss, argnums=(0, 1)), h, w) == 2 * (forward + backward)
-    assert gemm_count(loss, h, w) == 2  # the value alone: the logits' GEMM
+    assert gemm_count(jax.grad(loss, argnums=(0, 1)), h, w) == grads
+    assert gemm_count(loss, h, w) == value  # the value alone: the logits' GEMMs
 
 
 @pytest.mark.parametrize(
-    "options", [dict(reduction="none"), dict(reduction="sum", return_lse=True)]
+    "rows, vocab, chunk, dtype, free, keep, widths, kept",
+    [
+        (37, 1000, 8, "float32", None, True, (200,) * 5, 3),
+        (37, 1000, 8, "float32", None, False, (200,) * 5, 0),
+        (37, 1000, 10, "float32", None, True, (200,) * 5, 3),  # 4 parts are not 8-wide
+        (37, 1000, 37, "float32", None, True, (1000,), 1),  # one slice: kept
+        (37, 32, 37, "float32", None, True, (32,), 1),
+        (37, 32, 8, "float32", None, True, None, None),  # chunks of rows
+        (0, 1000, 1, "float32", None, True, (1000,), 1),
+        (8192, 256000, 2048, "bfloat16", None, True, (64000,) * 4, 3),
+        (8192, 256000, 2048, "bfloat16", 4 << 30, True, (64000,) * 4, 1),  # 1 GiB of 4
+        (8192, 256000, 2048, "bfloat16", 0, True, (64000,) * 4, 0),
+        (16384, 128256, 4096, "bfloat16", None, True, (32064,) * 4, 3),
+        (16384, 152064, 2048, "bfloat16", None, True, (19008,) * 8, 6),
+        # no equal parts: 128-wide slices but the last
+        (4096, 50257, 1024, "float32", None, True, (12672,) * 3 + (12241,), 3),
+        (37, 1000, 7, "float32", None, True, (256,) * 3 + (232,), 3),  # 6 to 12 parts
+    ],
 )
-def test_one_chunk_keeps_its_logits(options):
-    """Where one chunk holds every row, per-row losses (or lse) take its logits from the
-    forward pass: one GEMM there and two in the backward, against four in each of two
-    loop bodies where two chunks make their logits again."""
-    h, w, _, labels, _, _ = draw()
-
-    def grads(chunk):
-        def loss(h, w):
-            out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk, **options)
-            return jnp.sum(out[0] if isinstance(out, tuple) else out)
-
-        return jax.grad(loss, argnums=(0, 1))
-
-    assert gemm_count(grads(T), h, w) == 3
-    assert gemm_count(grads(T - 1), h, w) == 2 * 4
+def test_slices(monkeypatch, rows, vocab, chunk, dtype, free, keep, widths, kept):
+    """Per-row losses' vocabulary slices: as many as the chunks of rows, or up to twice
+    that, equal and a multiple of 8 wide; where no such parts divide the vocabulary, a
+    multiple of 128 wide but the last. With ``keep``, the last 3/4 of them (all of one) keep their
+    logits, within 1/4 of the free memory; None (chunks of rows) where the rows
+    outnumber the vocabulary and one chunk does not hold them
+    (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)."""
+    monkeypatch.setattr(linear_options, "_free_bytes", lambda: free)
+    got = LinearOptions(False, chunk, dtype).slices(rows, vocab, keep)
+    assert got == (None if widths is None else Slices(widths, kept))
 
 
 @pytest.mark.parametrize("options", [dict(reduction="none"), dict(reduction="sum")])
-def test_one_chunk_dw_in_weight_dtype(options):
-    """Where one chunk holds every row, the per-row backward's dW GEMM writes the weight's
-    dtype, as nothing scales dW after it; a "sum" (scaled by its cotangent after) and two
-    chunks (summed over them) make dW in float32."""
+@pytest.mark.parametrize("chunk", [T, 8])
+def test_per_row_dw_in_weight_dtype(options, chunk):
+    """Over vocabulary slices, the per-row backward's dW GEMMs write the weight's dtype:
+    each slice's dW is whole when its GEMM ends, and nothing scales it after. A "sum"
+    (scaled by its cotangent after) and chunks of rows (summed over them) make dW in
+    float32."""
     h, w, _, labels, _, _ = draw()
     h, w = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
-    shape = "x".join(map(str, w.shape))
 
-    def dw_dtypes(chunk):
-        def loss(h, w):
-            out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk, **options)
-            return jnp.sum(out.astype(jnp.float32))
+    def loss(h, w):
+        out = quack_jax.linear_cross_entropy(h, w, labels, chunk_size=chunk, **options)
+        return jnp.sum(out.astype(jnp.float32))
 
-        text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).as_text()
-        return re.findall(rf"dot_general.*-> tensor<{shape}x(\w+)>", text)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w).as_text()
+    dtypes = set(re.findall(rf"dot_general.*-> tensor<{HIDDEN}x\d+x(\w+)>", text))
+    assert dtypes == ({"bf16"} if options["reduction"] == "none" else {"f32"})
 
-    assert dw_dtypes(T) == (["bf16"] if options["reduction"] == "none" else ["f32"])
-    assert set(dw_dtypes(T - 1)) == {"f32"}
+
+@pytest.mark.parametrize(
+    "v, chunk, free, transpose",
+    [
+        (1000, 37, None, False),  # one slice, kept
+        (1000, 8, None, True),  # 5 slices, 3 kept, 2 in the loop
+        (1000, 8, 0, False),  # 5 slices, none kept: 4 in the loop, the last after it
+        (997, 3, None, True),  # 8 slices, 6 kept, the last padded to 128
+        (32, 8, None, False),  # chunks of rows
+    ],
+)
+@pytest.mark.parametrize("backend", backends())
+def test_every_per_row_schedule_matches_float64(monkeypatch, backend, v, chunk, free, transpose):
+    """Per-row losses and lse, with a bias, label smoothing and the z-loss, match float64
+    on every schedule they can take (``spec.SCHEDULES``, which the GPU's kernels are
+    built for): slices kept or made again, in the loop or after it, the last one
+    padded, and chunks of rows."""
+    assert (v, chunk) in lce_spec.SCHEDULES
+    if free is not None:
+        monkeypatch.setattr(linear_options, "_free_bytes", lambda: free)
+    opts = dict(lce_spec.SCHEDULE_OPTIONS, chunk_size=chunk, transpose_weight=transpose)
+    t = lce_spec.SCHEDULE_ROWS
+    compare(backend, opts, *draw(t, v=v, transpose=transpose, tag=("schedule",)))
 
 
 class _Device:

@@ -53,14 +53,18 @@ def linear_cross_entropy(
 ):
     """``cross_entropy(h @ weight + bias, labels, ...)`` without making the logits.
 
-    The rows of ``h`` go in chunks of at most ``chunk_size``: each chunk's logits are made by
-    XLA's GEMM, and the cross-entropy kernel writes their gradient over them in place;
-    the weight gradient accumulates over the chunks in float32. A "sum" or "mean" loss
-    computes its gradients in the forward pass; per-row losses make each chunk's logits
-    again in the backward, or where one chunk holds every row keep that chunk's logits
-    from the forward pass for it (the buffer the backward would make; one GEMM fewer),
-    and its weight gradient GEMM writes the weight's dtype. Results
-    and gradients are those of ``cross_entropy`` of the full logits.
+    A "sum" or "mean" loss goes over the rows of ``h`` in chunks of at most
+    ``chunk_size``: each chunk's logits are made by XLA's GEMM, the cross-entropy kernel
+    writes their gradient over them in place, and the gradients are made in the forward
+    pass, the weight's summed over the chunks in float32. Per-row losses (and lse),
+    whose cotangents come only in the backward pass, go over as many slices of the
+    vocabulary instead (or in chunks of rows where the rows outnumber the vocabulary):
+    the forward pass combines the slices' row statistics and keeps the logits of the last
+    3/4 of the slices (of the one, where one slice holds the vocabulary), within 1/4 of
+    the free device memory; the backward writes their gradient over them in place, makes
+    the other slices' logits again, sums dh over the slices in float32, and each slice's
+    weight gradient GEMM writes the weight's dtype. Results and gradients are those of
+    ``cross_entropy`` of the full logits.
     A vocabulary that is not a multiple of 8 is padded with zeros to a multiple of 64 for
     the GEMMs (a padded copy of the weight), whose misaligned rows would run about three
     times slower; the loss never sees the padding.
@@ -81,7 +85,8 @@ def linear_cross_entropy(
         most 1/8 of the free device memory (see ``default_chunk``). The rows go in
         ceil(T / chunk_size) chunks of equal size; where that size does not divide T,
         the last chunk ends at row T and overlaps the one before it (its rows done
-        before get no second gradient).
+        before get no second gradient). Per-row losses go over as many vocabulary
+        slices (up to twice as many, to make them equal), each as large as a chunk.
       precision: of the three GEMMs, as in ``jax.lax.dot_general``.
       preferred_element_type: the logits' dtype (default: h's). The backward GEMMs take
         dlogits in h's dtype.
@@ -144,10 +149,10 @@ def linear_token_logprobs(
 ):
     """``token_logprobs(h @ weight + bias, labels, ...)`` without making the logits: the
     log-probability of each row's label at ``temperature``, and with ``return_entropy``
-    the entropy, in the chunks of :func:`linear_cross_entropy` (whose per-row path it
-    takes: under ``jax.grad`` the backward makes each chunk's logits again, or takes the
-    logits of a single chunk from the forward pass, and runs the backward kernel over
-    them for the cotangents of both outputs).
+    the entropy, by :func:`linear_cross_entropy`'s per-row path (over vocabulary slices,
+    most of which keep their logits from the forward pass; under ``jax.grad`` the
+    backward makes the others' again, and runs the backward kernel over each slice's
+    logits for the cotangents of both outputs).
 
     Args:
       h, weight, labels, bias, transpose_weight: as in :func:`linear_cross_entropy`.
@@ -214,9 +219,10 @@ def linear_token_loss(
         logp, entropy = linear_token_logprobs(h, weight, labels, return_entropy=True)
         jnp.sum(jax.vmap(loss_fn)(logp, entropy, *args))
 
-    but in three GEMMs per chunk instead of four: ``jax.grad`` of that composition knows
-    the tokens' cotangents only in the backward pass, which makes each chunk's logits
-    again (where there is more than one chunk). Here each chunk runs the forward kernel,
+    but in three GEMMs per chunk: ``jax.grad`` of that composition knows the tokens'
+    cotangents only in the backward pass, which makes again the logits of the
+    vocabulary slices not kept from the forward pass (where there is more than one
+    slice). Here each chunk of rows runs the forward kernel,
     ``loss_fn``'s derivatives by ``jax.vjp``, then the backward kernel over the same
     logits, and its GEMMs for dh and dW. A policy-gradient loss (GRPO, PPO) with an
     entropy bonus is such a loss.

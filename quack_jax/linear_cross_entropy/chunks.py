@@ -1,7 +1,9 @@
 """The chunked computation on one device's block of rows (and, on a vocabulary split,
 its slice of the vocabulary): for each chunk of rows, its logits from the GEMM, the
 cross-entropy over them (``cross_entropy.forward`` or ``backward``), and its share of
-the gradients (docs/decisions/017-linear-cross-entropy-chunks.md). A token loss
+the gradients (docs/decisions/017-linear-cross-entropy-chunks.md). Per-row losses go
+over vocabulary slices instead (``slices.py``) where the rows do not outnumber the
+vocabulary. A token loss
 (``TokenLoss``) runs both kernels on each chunk's logits, with the per-token cotangents
 of its loss function in between (docs/decisions/024-token-loss-in-the-forward.md)."""
 
@@ -73,28 +75,28 @@ def row_names(mode: str, entropy: bool) -> tuple[str, ...]:
     return {"backward": (), "token_loss": ("value",)}.get(mode, stat_names(entropy))
 
 
-def result_names(mode: str, entropy: bool, kept_logits: bool) -> tuple[str, ...]:
-    """The results of ``mode`` before the gradients: ``row_names``, then in "loss" with
-    ``kept_logits`` the logits, which the backward takes instead of making them again
-    (docs/decisions/025-one-chunk-keeps-its-logits.md)."""
-    return row_names(mode, entropy) + ("logits",) * (mode == "loss" and kept_logits)
+def result_names(mode: str, entropy: bool, slices) -> tuple[str, ...]:
+    """The results of ``mode`` before the gradients: ``row_names``, then in "loss" over
+    vocabulary ``slices`` the logits of those kept ("kept0", ...)."""
+    kept = slices.kept if mode == "loss" and slices else 0
+    return row_names(mode, entropy) + tuple(f"kept{j}" for j in range(kept))
 
 
-def dw_dtype(mode, kept_logits, weight_dtype):
-    """dW's dtype: the weight's in the backward that takes the kept logits (its rows'
+def dw_dtype(mode, slices, weight_dtype):
+    """dW's dtype: the weight's in the backward over vocabulary slices (its rows'
     cotangents are in dlogits, so nothing scales dW after it), float32 otherwise (it is
     scaled by the cotangent, then cast) (docs/decisions/026-one-chunk-dw-in-weight-dtype.md)."""
-    return weight_dtype if mode == "backward" and kept_logits else jnp.float32
+    return weight_dtype if mode == "backward" and slices else jnp.float32
 
 
-def unpack(operands, has_bias, mode, kept_logits):
-    """(h, weight, bias or None, labels, the kept logits or None, [per-row operands]);
-    the backward with ``kept_logits`` takes the logits after the labels."""
+def unpack(operands, has_bias, mode, slices):
+    """(h, weight, bias or None, labels, [the kept slices' logits], [per-row operands]);
+    the backward over vocabulary ``slices`` takes the kept logits after the labels."""
     h, w, *rest = operands
     bias = rest.pop(0) if has_bias else None
     labels = rest.pop(0)
-    logits = rest.pop(0) if mode == "backward" and kept_logits else None
-    return h, w, bias, labels, logits, rest
+    kept = slices.kept if mode == "backward" and slices else 0
+    return h, w, bias, labels, rest[:kept], rest[kept:]
 
 
 def gradient_names(mode, needs):
@@ -116,20 +118,17 @@ def chunked(
     options,
     entropy,
     token_loss,
-    kept_logits,
     row=WHOLE,
     data_axes=(),
 ):
     """The op on operands whose rows (and, with ``row``, vocabulary slice) are this
     device's; ``data_axes`` are the mesh axes that split the rows, over which dW and the
-    bias gradient are summed. Results: the per-row results (``row_names``), the logits
-    in "loss" with ``kept_logits`` (the backward with ``kept_logits`` takes them instead
-    of making each chunk's again), then the gradients in ``needs``: dh (h's dtype), dW
-    (``dw_dtype``) and db (float32), and the per-token arguments' (float32)."""
-    h, w, bias, labels, given, per_row = unpack(operands, has_bias, mode, kept_logits)
+    bias gradient are summed. Results: the per-row results (``row_names``), then the
+    gradients in ``needs``: dh (h's dtype), dW (float32) and db (float32), and the
+    per-token arguments' (float32). The backward makes each chunk's logits again."""
+    h, w, bias, labels, _, per_row = unpack(operands, has_bias, mode, None)
     lead, d = labels.shape, h.shape[-1]
     h, labels = h.reshape(-1, d), labels.reshape(-1)
-    given = None if given is None else given.reshape(-1, given.shape[-1])
     per_row = [p.reshape(-1) for p in per_row]
     t, stat = h.shape[0], compute_dtype(linear.preferred_element_type)
     grads = gradient_names(mode, needs)
@@ -139,13 +138,11 @@ def chunked(
     w, bias = linear.padded(w, bias)
     padding = linear.vocab(w) - vocab
     stats = row_names(mode, entropy)
-    made = result_names(mode, entropy, kept_logits)
     shapes = {k: ((t,), stat) for k in stats + grads} | {"dh": ((t, d), h.dtype)}
     shapes |= {"dw": (w.shape, jnp.float32), "db": ((vocab + padding,), jnp.float32)}
-    shapes |= {"logits": ((t, vocab), linear.preferred_element_type)}
     # zeros that vary over shard_map's axes as the chunks' results do; dW and db are
     # written by the first chunk
-    results = made + tuple(k for k in grads if k not in ("dw", "db"))
+    results = stats + tuple(k for k in grads if k not in ("dw", "db"))
     carry = {k: varying_like(h, jnp.zeros(*shapes[k])) for k in results}
 
     # ceil(t / chunk) chunks of equal size; when that size does not divide t, the last
@@ -153,9 +150,6 @@ def chunked(
     # gradient coefficients, and their dh is kept
     chunks = -(-t // linear.chunk_size)
     size = -(-t // chunks) if t else 0
-    # one chunk and no sum over devices: the dW GEMM writes dW's dtype itself
-    dw_type = dw_dtype(mode, kept_logits, w.dtype)
-    dw_gemm = dw_type if chunks == 1 and not data_axes else jnp.float32
 
     def step(i, carry):
         start = jnp.minimum(i * size, t - size)
@@ -171,15 +165,8 @@ def chunked(
             }
 
         hc = rows(h)
-        if given is None:
-            logits = linear.logits(hc, w, bias)
-            logits = logits[:, :vocab] if padding else logits
-        else:
-            logits = rows(given)
-        if "logits" in made:
-            carry = carry | {
-                "logits": lax.dynamic_update_slice_in_dim(carry["logits"], logits, start, 0)
-            }
+        logits = linear.logits(hc, w, bias)
+        logits = logits[:, :vocab] if padding else logits
         if mode == "token_loss":
             values, dlogits = _token_loss_chunk(
                 logits,
@@ -225,7 +212,7 @@ def chunked(
             carry["dh"] = lax.dynamic_update_slice_in_dim(carry["dh"], dh, start, 0)
         sums = {}
         if "dw" in grads:
-            sums["dw"] = linear.dw(hc, dlogits, dw_gemm)
+            sums["dw"] = linear.dw(hc, dlogits, jnp.float32)
         if "db" in grads:
             sums["db"] = jnp.sum(dlogits, axis=0, dtype=jnp.float32)
         # the first chunk writes dW and db, the others add to them
@@ -243,12 +230,10 @@ def chunked(
     for k in ("dw", "db"):
         if k in carry and data_axes:
             carry[k] = jax.lax.psum(carry[k], data_axes)
-    if "dw" in carry:
-        carry["dw"] = carry["dw"].astype(dw_type)
     # the per-row results in the rows' shape; dW and db as they are
-    lead_shapes = {"dh": (*lead, d), "dw": None, "db": None, "logits": (*lead, vocab)}
+    lead_shapes = {"dh": (*lead, d), "dw": None, "db": None}
     outs = []
-    for k in made + grads:
+    for k in stats + grads:
         shape = lead_shapes.get(k, lead)
         outs.append(carry[k] if shape is None else carry[k].reshape(shape))
     return outs

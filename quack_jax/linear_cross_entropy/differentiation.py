@@ -1,11 +1,11 @@
 """How ``jax.grad`` reaches the chunked loop: ``custom_vjp``s that make only the
 gradients autodiff asks for (``symbolic_zeros``). A "sum" or "mean" loss alone has its
 gradients at the end of the forward pass, which the cotangent scales; per-row losses (or
-lse) keep the row statistics, and the backward makes each chunk's logits again and runs
-the backward kernel over them in place, or where one chunk holds every row takes that
-chunk's logits from the forward pass
-(docs/decisions/025-one-chunk-keeps-its-logits.md). A token loss, a sum of per-token
-values, has its gradients at the end of the forward pass too."""
+lse) keep the row statistics, and the backward runs the backward kernel in place over
+each vocabulary slice's logits, kept from the forward pass or made again
+(docs/decisions/028-per-row-losses-over-vocabulary-slices.md), or over each chunk of
+rows' logits made again. A token loss, a sum of per-token values, has its gradients at
+the end of the forward pass too."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Call:
     token_loss: TokenLoss | None = None
     arg_dtypes: tuple[str, ...] = ()
 
-    def bind(self, mode, needs, h, w, bias, labels, *per_row, kept_logits=False, logits=None):
+    def bind(self, mode, needs, h, w, bias, labels, *per_row, slices=None, kept=()):
         entropy = self.entropy and mode != "grad"
         return bind(
             mode,
@@ -52,8 +52,8 @@ class Call:
             options=self.options,
             entropy=entropy,
             token_loss=self.token_loss,
-            kept_logits=kept_logits,
-            logits=logits,
+            slices=slices,
+            kept=kept,
         )
 
     def gradients(self, needs, grads, scale=None):
@@ -112,24 +112,29 @@ def _reduced_backward(call: Call, saved, g):
 reduced.defvjp(_reduced_forward, _reduced_backward, symbolic_zeros=True)
 
 
-# per-row losses (or lse): the backward makes each chunk's logits again, or takes them
-# from the forward pass where one chunk holds every row
+# per-row losses (or lse): over vocabulary slices, some of which keep their logits from
+# the forward pass, or in chunks of rows whose logits the backward makes again
+
+
+def _slices(call: Call, w, labels, keep):
+    return call.linear.slices(labels.size, call.linear.vocab(w), keep)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def per_row(call: Call, h, w, bias, labels):
     """The rows' loss and lse, and with ``call.entropy`` their entropy."""
-    loss, shift, logsum, *ent = call.bind("loss", NOTHING, h, w, bias, labels)
+    slices = _slices(call, w, labels, keep=False)
+    loss, shift, logsum, *ent = call.bind("loss", NOTHING, h, w, bias, labels, slices=slices)
     return (loss, shift + logsum, *ent)
 
 
 def _per_row_forward(call: Call, h, w, bias, labels):
     needs = _needs(h, w, bias)
     h, w, bias, labels = _values(h, w, bias, labels)
-    keep = call.linear.one_chunk(labels.size) and needs != NOTHING
-    loss, shift, logsum, *rest = call.bind("loss", needs, h, w, bias, labels, kept_logits=keep)
-    ent, logits = (rest[:-1], rest[-1]) if keep else (rest, None)
-    saved = (needs, h, w, bias, labels, shift, logsum, ent, logits)
+    slices = _slices(call, w, labels, keep=needs != NOTHING)
+    loss, shift, logsum, *rest = call.bind("loss", needs, h, w, bias, labels, slices=slices)
+    ent, kept = rest[: call.entropy], rest[call.entropy :]
+    saved = (needs, h, w, bias, labels, shift, logsum, ent, slices, kept)
     return (loss, shift + logsum, *ent), saved
 
 
@@ -140,17 +145,14 @@ def _dense(cotangent, like):
 
 
 def _per_row_backward(call: Call, saved, cotangents):
-    needs, h, w, bias, labels, shift, logsum, ent, logits = saved
+    needs, h, w, bias, labels, shift, logsum, ent, slices, kept = saved
     lse = shift + logsum
     g_loss, g_lse, *g_ent = (_dense(c, lse) for c in cotangents)
     terms = (g_ent[0], logsum, ent[0]) if call.entropy else None
     vocab = call.linear.vocab(w)
     coefficient = coefficients(labels, vocab, call.options, lse, g_loss, g_lse, terms)
-    kept = logits is not None
     per_row = (shift, logsum, *coefficient)
-    grads = call.bind(
-        "backward", needs, h, w, bias, labels, *per_row, kept_logits=kept, logits=logits
-    )
+    grads = call.bind("backward", needs, h, w, bias, labels, *per_row, slices=slices, kept=kept)
     return call.gradients(needs, grads)
 
 

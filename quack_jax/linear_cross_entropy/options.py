@@ -32,6 +32,34 @@ _PRECISIONS = tuple(p.name for p in lax.Precision)
 # of PADDED_VOCAB (docs/decisions/023-padded-vocabulary.md)
 ALIGNED_VOCAB = 8
 PADDED_VOCAB = 64
+# per-row losses, lse and linear_token_logprobs go over slices of the vocabulary (as many
+# as there would be chunks of rows, up to twice that: equal parts of it, ALIGNED_VOCAB
+# wide or a multiple of it; where none divide it, SLICE_MULTIPLE columns wide but the
+# last) where one slice holds it or where the float32 dh they sum is no larger than the
+# row chunks' float32 dW (tokens <= vocabulary); the last KEEP_FRACTION of the slices (all of one)
+# keep their logits from the forward pass for the backward, within KEEP_FREE_FRACTION of
+# the free device memory (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)
+SLICE_MULTIPLE = 128
+KEEP_FRACTION = 3 / 4
+KEEP_FREE_FRACTION = 1 / 4
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Slices:
+    """The per-row path's slices of the vocabulary: their ``widths`` (of the whole
+    vocabulary; a device that holds 1/count of it takes 1/count of each slice), of which
+    the last ``kept`` keep their logits from the forward pass for the backward."""
+
+    widths: tuple[int, ...]
+    kept: int
+
+    def local(self, count: int) -> tuple[int, ...]:
+        return tuple(w // count for w in self.widths)
+
+    def divides(self, count: int) -> bool:
+        """Whether ``count`` devices can split every slice evenly."""
+        return all(w % count == 0 for w in self.widths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +80,36 @@ class LinearOptions:
             a, b, (contract, ((), ())), precision=self.precision, preferred_element_type=dtype
         )
 
-    def one_chunk(self, rows: int) -> bool:
-        """Whether one chunk holds all ``rows``: the per-row backward then takes that
-        chunk's logits from the forward pass instead of making them again
-        (docs/decisions/025-one-chunk-keeps-its-logits.md)."""
-        return rows <= self.chunk_size
+    def slices(self, rows: int, vocab: int, keep: bool) -> Slices | None:
+        """The per-row path's vocabulary slices for ``rows`` tokens, or None where it goes
+        in chunks of rows; with ``keep``, how many keep their logits (every one where one
+        slice holds the vocabulary, docs/decisions/025-one-chunk-keeps-its-logits.md)."""
+        count = -(-rows // self.chunk_size) if rows else 1
+        if count > 1 and rows > vocab:
+            return None
+        widths = _equal_slices(vocab, count)
+        if widths is None:
+            width = -(-vocab // count)
+            width = -(-width // SLICE_MULTIPLE) * SLICE_MULTIPLE
+            count = -(-vocab // width)
+            widths = (width,) * (count - 1) + (vocab - (count - 1) * width,)
+        if not keep:
+            return Slices(widths, 0)
+        if len(widths) == 1:
+            return Slices(widths, 1)
+        kept = int(len(widths) * KEEP_FRACTION)
+        free = _free_bytes()
+        if free is not None:
+            itemsize = np.dtype(self.preferred_element_type).itemsize
+            kept = min(kept, int(free * KEEP_FREE_FRACTION) // max(rows * widths[0] * itemsize, 1))
+        return Slices(widths, kept)
+
+    @property
+    def vocab_axis(self) -> int:
+        return 0 if self.transpose_weight else 1
 
     def vocab(self, w) -> int:
-        return w.shape[0 if self.transpose_weight else 1]
+        return w.shape[self.vocab_axis]
 
     def padded(self, w, bias):
         """The weight and the bias as the GEMMs take them: with zeros appended along the
@@ -141,12 +191,30 @@ def default_chunk(tokens: int, vocab: int, itemsize: int) -> int:
     than ``tokens``."""
     row_bytes = max(vocab * itemsize, 1)
     rows = max(CHUNK_BYTES // row_bytes, CHUNK_MIN_ROWS)
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    free = _free_bytes()
+    if free is not None:
         rows = min(rows, int(free * CHUNK_FREE_FRACTION) // row_bytes)
     rows = rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE
     return max(min(rows, tokens), min(CHUNK_MULTIPLE, tokens), 1)
+
+
+def _equal_slices(vocab: int, count: int) -> tuple[int, ...] | None:
+    """``count`` to ``2 * count`` equal slices of the vocabulary, the fewest whose width
+    is a multiple of ALIGNED_VOCAB (one where ``count`` is 1), or None."""
+    if count == 1:
+        return (vocab,)
+    for parts in range(count, 2 * count + 1):
+        if vocab % parts == 0 and (vocab // parts) % ALIGNED_VOCAB == 0:
+            return (vocab // parts,) * parts
+    return None
+
+
+def _free_bytes() -> int | None:
+    """The default device's free memory, where it reports it."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def _precision(fn, precision):

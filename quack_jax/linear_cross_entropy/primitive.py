@@ -1,13 +1,13 @@
-"""The linear + cross-entropy primitive: (h, weight, [bias], labels, [per-row operands])
--> the per-row results and the gradients that autodiff asks for. ``mode`` is "loss"
-(the per-row results, and with ``kept_logits`` the logits), "grad" (also the gradients
-of a weighted sum of the losses, in the forward pass), "backward" (the gradients from
-per-row coefficients, each chunk's logits made again, or with ``kept_logits`` taken
-from an operand after the labels) or "token_loss" (a ``TokenLoss``'s values per row,
-and the gradients of their sum, in the forward pass; the per-row operands are its
-arguments). Its
-lowering is the chunked loop (``chunks.py``), partitioned under a sharded ``jit``
-(``partition.py``); off the GPU the same chunks run through the XLA references, so the
+"""The linear + cross-entropy primitive: (h, weight, [bias], labels, [kept logits],
+[per-row operands]) -> the per-row results and the gradients that autodiff asks for.
+``mode`` is "loss" (the per-row results, and over vocabulary ``slices`` the logits of
+those kept), "grad" (also the gradients of a weighted sum of the losses, in the forward
+pass), "backward" (the gradients from per-row coefficients, over vocabulary ``slices``
+whose kept logits follow the labels, or in chunks of rows whose logits are made again)
+or "token_loss" (a ``TokenLoss``'s values per row, and the gradients of their sum, in
+the forward pass; the per-row operands are its arguments). Its lowering is the loop over
+slices (``slices.py``) or chunks (``chunks.py``), partitioned under a sharded ``jit``
+(``partition.py``); off the GPU the same loops run through the XLA references, so the
 memory saving holds everywhere."""
 
 from __future__ import annotations
@@ -24,32 +24,33 @@ from .chunks import dw_dtype, gradient_names, result_names, unpack
 from .partition import partitioned
 
 
-def _logits_aval(h, w, linear):
-    """The logits (*rows, V) in the logits' dtype; under explicit sharding split as h's
+def _logits_aval(h, w, linear, width):
+    """Logits (*rows, width) in the logits' dtype; under explicit sharding split as h's
     rows and the weight's vocabulary (unless that axis already splits the rows)."""
     axis = 0 if linear.transpose_weight else 1
     rows = (tuple(h.sharding.spec) + (None,) * h.ndim)[: h.ndim - 1]
     vocab = (tuple(w.sharding.spec) + (None,) * 2)[axis]
     taken = {a for r in rows for a in names(r)}
     return h.update(
-        shape=(*h.shape[:-1], w.shape[axis]),
+        shape=(*h.shape[:-1], width),
         dtype=np.dtype(linear.preferred_element_type),
         weak_type=False,
         sharding=h.sharding.update(spec=(*rows, None if taken & set(names(vocab)) else vocab)),
     )
 
 
-def _abstract(*avals, mode, needs, has_bias, linear, options, entropy, token_loss, kept_logits):
-    h, w, bias, _, _, _ = unpack(avals, has_bias, mode, kept_logits)
+def _abstract(*avals, mode, needs, has_bias, linear, options, entropy, token_loss, slices):
+    h, w, bias, _, _, _ = unpack(avals, has_bias, mode, slices)
     stat = role_aval(h, STAT, compute_dtype(linear.preferred_element_type))
     made = {
         "dh": h.update(weak_type=False),
-        "dw": w.update(dtype=np.dtype(dw_dtype(mode, kept_logits, w.dtype)), weak_type=False),
-        "logits": _logits_aval(h, w, linear),
+        "dw": w.update(dtype=np.dtype(dw_dtype(mode, slices, w.dtype)), weak_type=False),
     }
+    kept = slices.widths[len(slices.widths) - slices.kept :] if slices else ()
+    made |= {f"kept{j}": _logits_aval(h, w, linear, width) for j, width in enumerate(kept)}
     if bias is not None:
         made["db"] = bias.update(dtype=np.dtype("float32"), weak_type=False)
-    results = result_names(mode, entropy, kept_logits) + gradient_names(mode, needs)
+    results = result_names(mode, entropy, slices) + gradient_names(mode, needs)
     return [made.get(k, stat) for k in results]
 
 
@@ -100,14 +101,14 @@ def bind(
     options,
     entropy,
     token_loss=None,
-    kept_logits=False,
-    logits=None,
+    slices=None,
+    kept=(),
 ):
     """The primitive of ``mode`` on h, the weight, the bias (or None), the labels, the
-    logits that "loss" kept (the backward with ``kept_logits``) and the per-row
-    operands."""
+    logits of the slices that "loss" kept (the backward over ``slices``) and the
+    per-row operands."""
     operands = (h, w) + ((bias,) if bias is not None else ()) + (labels,)
-    operands += ((logits,) if logits is not None else ()) + per_row
+    operands += tuple(kept) + per_row
     return primitive.bind(
         *operands,
         mode=mode,
@@ -117,5 +118,5 @@ def bind(
         options=options,
         entropy=entropy,
         token_loss=token_loss,
-        kept_logits=kept_logits,
+        slices=slices,
     )

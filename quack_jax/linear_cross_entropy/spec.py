@@ -20,6 +20,16 @@ VARIANTS = tuple(
 )
 
 
+# the per-row schedules that the tests take at SCHEDULE_ROWS rows, as (vocabulary,
+# chunk): one slice, 5 equal slices, unequal slices of a misaligned vocabulary (the last
+# one padded), and chunks of rows (more rows than the vocabulary), with
+# SCHEDULE_OPTIONS and a bias; built with the smaller cases' vocabulary (SMALL_VOCAB)
+SCHEDULE_ROWS = 37
+SCHEDULES = ((1000, 37), (1000, 8), (997, 3), (32, 8))
+SCHEDULE_OPTIONS = dict(reduction="none", return_lse=True, label_smoothing=0.1, z_loss=1e-4)
+SMALL_VOCAB = 1000
+
+
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """The value and gradients over two whole chunks and a part, with the weight as
     (d, V) and as (V, d): of the loss with each of ``VARIANTS``, of the sum of logp and
@@ -47,6 +57,27 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
                 return jax.value_and_grad(f, argnums=(0, 1))(h, w)
 
             yield loss, (h, w, labels)
+    if op == "linear_cross_entropy" and n == SMALL_VOCAB and not packaged:
+        yield from _schedule_lowerings(dtype, d)
+
+
+def _schedule_lowerings(dtype: str, d: int):
+    """The value and gradients of the ``SCHEDULES``' per-row losses, either layout."""
+    h = jax.ShapeDtypeStruct((SCHEDULE_ROWS, d), dtype)
+    labels = jax.ShapeDtypeStruct((SCHEDULE_ROWS,), "int32")
+    for (v, chunk), transpose in itertools.product(SCHEDULES, (False, True)):
+        w = jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype)
+        bias = jax.ShapeDtypeStruct((v,), dtype)
+        options = dict(SCHEDULE_OPTIONS, transpose_weight=transpose, chunk_size=chunk)
+
+        def loss(h, w, bias, labels, options=options):
+            def f(h, w, bias):
+                out = linear_cross_entropy(h, w, labels, bias=bias, **options)
+                return jnp.sum(out[0]) + jnp.sum(out[1])
+
+            return jax.value_and_grad(f, argnums=(0, 1, 2))(h, w, bias)
+
+        yield loss, (h, w, bias, labels)
 
 
 def _token_loss(logp, entropy):
