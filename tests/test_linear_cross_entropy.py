@@ -592,7 +592,7 @@ def test_kept_logits_cost_no_memory(backend):
 
 @pytest.mark.parametrize("backend", backends("gpu"))
 def test_kept_slices_cost_their_logits_alone(monkeypatch, backend):
-    """Per-row losses over 4 vocabulary slices: keeping the logits of 3 costs those
+    """Per-row losses over 4 vocabulary slices: keeping the logits of 2 costs those
     logits and no more than keeping none, and keeping none costs no more than a "sum" in
     chunks of rows (whose float32 dW the slices do without) and the float32 dh the
     slices sum. The backward kernel writes dlogits over each slice's logits, kept or
@@ -603,13 +603,13 @@ def test_kept_slices_cost_their_logits_alone(monkeypatch, backend):
     text = compiled_text(fused(chunk, reduction="none"), t, d, v)
     kernels = [line for line in text.splitlines() if f'custom_call_target="{_ffi.TARGET}"' in line]
     backward = [line for line in kernels if "output_to_operand_aliasing" in line]
-    # the 3 kept slices, and the one made again in the loop
-    assert len(backward) == 4 and all("{{0}: (0, {})}" in x for x in backward), backward
+    # the 2 kept slices, and the loop that makes the others again
+    assert len(backward) == 3 and all("(0, {})}" in x for x in backward), backward
     assert not re.search(r"bf16\[4096,8000\]\S* copy\(", text), "a copy of a slice"
-    monkeypatch.setattr(linear_options, "_free_bytes", lambda: 0)
+    monkeypatch.setattr(linear_options, "KEEP_FRACTION", 0.0)
     none_kept = compiled_bytes(fused(chunk, reduction="none"), t, d, v)
     summed = compiled_bytes(fused(chunk, reduction="sum"), t, d, v)
-    assert kept <= none_kept + 3 * slice_bytes, (kept, none_kept)
+    assert kept <= none_kept + 2 * slice_bytes, (kept, none_kept)
     assert none_kept <= summed + t * d * 4, (none_kept, summed)
 
 
@@ -668,10 +668,10 @@ SCHEDULES = {
     # the gradients in the forward pass, in chunks of rows: 3 GEMMs a body
     "mean": (dict(reduction="mean"), V, 8, None, 6, 2),
     "sum": (dict(reduction="sum"), V, 8, None, 6, 2),
-    # 5 slices of 200, the last 3 kept: 1 (the loop) + 3 GEMMs in the forward, then
-    # 3 x 2 for the kept and 3 in the loop that makes the others again
-    "none, slices": (dict(reduction="none"), V, 8, None, 13, 2),
-    "lse, slices": (dict(reduction="mean", return_lse=True), V, 8, None, 13, 2),
+    # 5 slices of 200, the last 2 kept: 1 (the loop) + 2 GEMMs in the forward, then
+    # 2 x 2 for the kept and 3 in the loop that makes the others again
+    "none, slices": (dict(reduction="none"), V, 8, None, 10, 2),
+    "lse, slices": (dict(reduction="mean", return_lse=True), V, 8, None, 10, 2),
     # no memory to keep any: each slice's logits made again, 3 in the loop and 3 after
     "none, slices, none kept": (dict(reduction="none"), V, 8, 0, 8, 2),
     # one slice holds the vocabulary: its logits kept, 1 + 2
@@ -690,7 +690,7 @@ def test_each_schedule_takes_its_gemms(monkeypatch, name):
     every chunk's again (one, then three)."""
     options, v, chunk, free, grads, value = SCHEDULES[name]
     if free is not None:
-        monkeypatch.setattr(linear_options, "_free_bytes", lambda: free)
+        monkeypatch.setattr(linear_options, "KEEP_FRACTION", 0.0)
     h, w, _, labels, _, _ = draw(v=v)
 
     def loss(h, w):
@@ -704,27 +704,27 @@ def test_each_schedule_takes_its_gemms(monkeypatch, name):
 @pytest.mark.parametrize(
     "rows, vocab, chunk, dtype, free, keep, widths, kept",
     [
-        (37, 1000, 8, "float32", None, True, (200,) * 5, 3),
+        (37, 1000, 8, "float32", None, True, (200,) * 5, 2),
         (37, 1000, 8, "float32", None, False, (200,) * 5, 0),
-        (37, 1000, 10, "float32", None, True, (200,) * 5, 3),  # 4 parts are not 8-wide
+        (37, 1000, 10, "float32", None, True, (200,) * 5, 2),  # 4 parts are not 8-wide
         (37, 1000, 37, "float32", None, True, (1000,), 1),  # one slice: kept
         (37, 32, 37, "float32", None, True, (32,), 1),
         (37, 32, 8, "float32", None, True, None, None),  # chunks of rows
         (0, 1000, 1, "float32", None, True, (1000,), 1),
-        (8192, 256000, 2048, "bfloat16", None, True, (64000,) * 4, 3),
+        (8192, 256000, 2048, "bfloat16", None, True, (64000,) * 4, 2),
         (8192, 256000, 2048, "bfloat16", 4 << 30, True, (64000,) * 4, 1),  # 1 GiB of 4
         (8192, 256000, 2048, "bfloat16", 0, True, (64000,) * 4, 0),
-        (16384, 128256, 4096, "bfloat16", None, True, (32064,) * 4, 3),
-        (16384, 152064, 2048, "bfloat16", None, True, (19008,) * 8, 6),
+        (16384, 128256, 4096, "bfloat16", None, True, (32064,) * 4, 2),
+        (16384, 152064, 2048, "bfloat16", None, True, (19008,) * 8, 4),
         # no equal parts: 128-wide slices but the last
-        (4096, 50257, 1024, "float32", None, True, (12672,) * 3 + (12241,), 3),
-        (37, 1000, 7, "float32", None, True, (256,) * 3 + (232,), 3),  # 6 to 12 parts
+        (4096, 50257, 1024, "float32", None, True, (12672,) * 3 + (12241,), 2),
+        (37, 1000, 7, "float32", None, True, (256,) * 3 + (232,), 2),  # 6 to 12 parts
     ],
 )
 def test_slices(monkeypatch, rows, vocab, chunk, dtype, free, keep, widths, kept):
     """Per-row losses' vocabulary slices: as many as the chunks of rows, or up to twice
     that, equal and a multiple of 8 wide; where no such parts divide the vocabulary, a
-    multiple of 128 wide but the last. With ``keep``, the last 3/4 of them (all of one) keep their
+    multiple of 128 wide but the last. With ``keep``, the last half of them (all of one) keep their
     logits, within 1/4 of the free memory; None (chunks of rows) where the rows
     outnumber the vocabulary and one chunk does not hold them
     (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)."""
@@ -753,26 +753,25 @@ def test_per_row_dw_in_weight_dtype(options, chunk):
 
 
 @pytest.mark.parametrize(
-    "v, chunk, free, transpose",
+    "t, v, chunk, free, transpose",
     [
-        (1000, 37, None, False),  # one slice, kept
-        (1000, 8, None, True),  # 5 slices, 3 kept, 2 in the loop
-        (1000, 8, 0, False),  # 5 slices, none kept: 4 in the loop, the last after it
-        (997, 3, None, True),  # 8 slices, 6 kept, the last padded to 128
-        (32, 8, None, False),  # chunks of rows
+        (37, 1000, 37, None, False),  # one slice, kept
+        (37, 16000, 8, None, True),  # 5 slices of 3200, 2 kept, 3 in the loop
+        (37, 16000, 8, 0, False),  # 5 slices, none kept: 4 in the loop, the last after it
+        (37, 9973, 3, None, True),  # 13 slices of 768 but the last (757, padded), 6 kept
+        (37, 32, 8, None, False),  # chunks of rows
     ],
 )
 @pytest.mark.parametrize("backend", backends())
-def test_every_per_row_schedule_matches_float64(monkeypatch, backend, v, chunk, free, transpose):
+def test_every_per_row_schedule_matches_float64(monkeypatch, backend, t, v, chunk, free, transpose):
     """Per-row losses and lse, with a bias, label smoothing and the z-loss, match float64
     on every schedule they can take (``spec.SCHEDULES``, which the GPU's kernels are
     built for): slices kept or made again, in the loop or after it, the last one
     padded, and chunks of rows."""
-    assert (v, chunk) in lce_spec.SCHEDULES
+    assert (t, v, chunk) in lce_spec.SCHEDULES
     if free is not None:
-        monkeypatch.setattr(linear_options, "_free_bytes", lambda: free)
+        monkeypatch.setattr(linear_options, "KEEP_FRACTION", 0.0)
     opts = dict(lce_spec.SCHEDULE_OPTIONS, chunk_size=chunk, transpose_weight=transpose)
-    t = lce_spec.SCHEDULE_ROWS
     compare(backend, opts, *draw(t, v=v, transpose=transpose, tag=("schedule",)))
 
 

@@ -60,7 +60,7 @@ def linear_cross_entropy(
     whose cotangents come only in the backward pass, go over as many slices of the
     vocabulary instead (or in chunks of rows where the rows outnumber the vocabulary):
     the forward pass combines the slices' row statistics and keeps the logits of the last
-    3/4 of the slices (of the one, where one slice holds the vocabulary), within 1/4 of
+    half of the slices (of the one, where one slice holds the vocabulary), within 1/4 of
     the free device memory; the backward writes their gradient over them in place, makes
     the other slices' logits again, sums dh over the slices in float32, and each slice's
     weight gradient GEMM writes the weight's dtype. Results and gradients are those of

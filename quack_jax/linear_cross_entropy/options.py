@@ -40,7 +40,7 @@ PADDED_VOCAB = 64
 # keep their logits from the forward pass for the backward, within KEEP_FREE_FRACTION of
 # the free device memory (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)
 SLICE_MULTIPLE = 128
-KEEP_FRACTION = 3 / 4
+KEEP_FRACTION = 1 / 2
 KEEP_FREE_FRACTION = 1 / 4
 
 

@@ -20,14 +20,17 @@ VARIANTS = tuple(
 )
 
 
-# the per-row schedules that the tests take at SCHEDULE_ROWS rows, as (vocabulary,
-# chunk): one slice, 5 equal slices, unequal slices of a misaligned vocabulary (the last
-# one padded), and chunks of rows (more rows than the vocabulary), with
-# SCHEDULE_OPTIONS and a bias; built with the smaller cases' vocabulary (SMALL_VOCAB)
-SCHEDULE_ROWS = 37
-SCHEDULES = ((1000, 37), (1000, 8), (997, 3), (32, 8))
+# the per-row calls of the tests, as (rows, vocabulary, chunk), whose vocabulary slices
+# the GPU's kernels are built for, each with the default options and SCHEDULE_OPTIONS
+# and a bias: the schedules (one slice, 5 equal slices, unequal slices of a misaligned
+# vocabulary, the last one padded, and chunks of rows), then 7 rows in chunks of 1, 37
+# in chunks of 4, and the special values' vocabulary
+SCHEDULES = ((37, 1000, 37), (37, 16000, 8), (37, 9973, 3), (37, 32, 8))
+PER_ROW_TESTS = (*SCHEDULES, (7, 1000, 1), (37, 1000, 4), (37, 50257, 8))
 SCHEDULE_OPTIONS = dict(reduction="none", return_lse=True, label_smoothing=0.1, z_loss=1e-4)
 SMALL_VOCAB = 1000
+# the options of the tests' linear_token_logprobs calls
+TOKEN_OPTIONS = dict(temperature=0.7, logit_softcap=20.0)
 
 
 def _lowerings(op: str, dtype: str, n: int, packaged: bool):
@@ -41,7 +44,8 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     variants = VARIANTS[:1] if packaged else VARIANTS
     for transpose in (False,) if packaged else (False, True):
         w = jax.ShapeDtypeStruct((n, d) if transpose else (d, n), dtype)
-        for options in variants if op == "linear_cross_entropy" else ({},):
+        token_options = ({},) if packaged else ({}, TOKEN_OPTIONS)
+        for options in variants if op == "linear_cross_entropy" else token_options:
             options = dict(options, transpose_weight=transpose, chunk_size=chunk)
 
             def loss(h, w, labels, options=options):
@@ -62,13 +66,16 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
 
 
 def _schedule_lowerings(dtype: str, d: int):
-    """The value and gradients of the ``SCHEDULES``' per-row losses, either layout."""
-    h = jax.ShapeDtypeStruct((SCHEDULE_ROWS, d), dtype)
-    labels = jax.ShapeDtypeStruct((SCHEDULE_ROWS,), "int32")
-    for (v, chunk), transpose in itertools.product(SCHEDULES, (False, True)):
+    """The value and gradients of ``PER_ROW_TESTS``' per-row losses and lse, either
+    layout, with the default options and with ``SCHEDULE_OPTIONS``."""
+    cases = itertools.product(PER_ROW_TESTS, (False, True), ({}, SCHEDULE_OPTIONS))
+    for (t, v, chunk), transpose, extra in cases:
+        h = jax.ShapeDtypeStruct((t, d), dtype)
+        labels = jax.ShapeDtypeStruct((t,), "int32")
         w = jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype)
         bias = jax.ShapeDtypeStruct((v,), dtype)
-        options = dict(SCHEDULE_OPTIONS, transpose_weight=transpose, chunk_size=chunk)
+        options = {"reduction": "none", "return_lse": True} | extra
+        options |= dict(transpose_weight=transpose, chunk_size=chunk)
 
         def loss(h, w, bias, labels, options=options):
             def f(h, w, bias):
