@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_linear_cross_entropy
 from checks import SEED, assert_close, backend_param, backends, gemm_count, key_for, run
 
 import quack_jax
@@ -262,8 +263,9 @@ def test_linear_token_logprobs_matches_the_logits(backend, dtype, transpose, chu
         return jnp.sum(coords * logp - ent), (logp, ent)
 
     grad = jax.value_and_grad(total, argnums=(0, 1, 2), has_aux=True)
-    bodies = 2 if chunk < t else 1  # the first chunk's, and the loop's over the others
-    launches = 2 * bodies if backend == "gpu" else 0  # the forward and the backward
+    # per vocabulary slice after the loop, and the loop's (see loop_bodies)
+    slices = test_linear_cross_entropy.per_row_schedule(t, v, dict(chunk_size=chunk))
+    launches = sum(test_linear_cross_entropy.loop_bodies(slices)) if backend == "gpu" else 0
     (_, outs), grads = run(backend, grad, h, w, bias, launches=launches)
     with jax.default_device(jax.devices("cpu")[0]):
         args = [np.asarray(a) for a in (h, w, bias)]
