@@ -7,7 +7,7 @@ over them (an aliased output, so the chunk has one (rows, V) buffer); two more G
 the chunk's rows of dh and add its share of dW (and of the bias gradient) to float32
 accumulators. Why chunks of this size, equal and overlapping, with a float32 dW:
 docs/decisions/017-linear-cross-entropy-chunks.md. Per-row losses, whose cotangents come
-in the backward pass, go over slices of the vocabulary instead, most of which keep their
+in the backward pass, go over slices of the vocabulary instead, half of which keep their
 logits for the backward, and write each slice's dW in the weight's dtype:
 docs/decisions/028-per-row-losses-over-vocabulary-slices.md.
 

@@ -150,7 +150,7 @@ def linear_token_logprobs(
     """``token_logprobs(h @ weight + bias, labels, ...)`` without making the logits: the
     log-probability of each row's label at ``temperature``, and with ``return_entropy``
     the entropy, by :func:`linear_cross_entropy`'s per-row path (over vocabulary slices,
-    most of which keep their logits from the forward pass; under ``jax.grad`` the
+    half of which keep their logits from the forward pass; under ``jax.grad`` the
     backward makes the others' again, and runs the backward kernel over each slice's
     logits for the cotangents of both outputs).
 
