@@ -26,9 +26,11 @@ def _vocab_factors(slices):
     that no equal parts of it divide), whose kept logits XLA gathers where it splits the
     vocabulary itself (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)."""
     kept = slices.kept if slices else 0
-    if len(slices.widths if kept else ()) == 1:
+    if not kept:
+        return "v", ()
+    if len(slices.widths) == 1:
         return "v", ("v",)
-    if kept and len(set(slices.widths)) == 1:
+    if len(set(slices.widths)) == 1:
         return "(w s)", ("w",) * kept
     return "v", tuple(f"k{j}" for j in range(kept))
 
