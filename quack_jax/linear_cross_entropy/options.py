@@ -1,5 +1,6 @@
-"""The linear map's options (``LinearOptions``): how a chunk's logits are made from its
-rows, checked once from the public arguments with h, the weight and the bias."""
+"""The linear map's options (``LinearOptions``): how a chunk's (or a vocabulary slice's)
+logits are made from its rows, checked once from the public arguments with h, the
+weight and the bias."""
 
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ PADDED_VOCAB = 64
 # as there would be chunks of rows, up to twice that: equal parts of it, ALIGNED_VOCAB
 # wide or a multiple of it; where none divide it, SLICE_MULTIPLE columns wide but the
 # last) where one slice holds it or where the float32 dh they sum is no larger than the
-# row chunks' float32 dW (tokens <= vocabulary); the last KEEP_FRACTION of the slices (all of one)
-# keep their logits from the forward pass for the backward, within KEEP_FREE_FRACTION of
-# the free device memory (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)
+# row chunks' float32 dW (tokens <= vocabulary); the last KEEP_FRACTION of the slices
+# (all of one) keep their logits from the forward pass for the backward, within
+# KEEP_FREE_FRACTION of the free device memory
+# (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)
 SLICE_MULTIPLE = 128
 KEEP_FRACTION = 1 / 2
 KEEP_FREE_FRACTION = 1 / 4
@@ -66,9 +68,9 @@ class Slices:
 class LinearOptions:
     """How a chunk's logits are made from its rows ``h`` (rows, d): ``h @ W`` with W of
     shape (d, V), or (V, d) with ``transpose_weight``, plus an optional bias;
-    ``chunk_size`` rows at a time, GEMMs at ``precision``, logits of
-    ``preferred_element_type`` (a dtype name). The backward GEMMs take dlogits in h's
-    dtype and accumulate in float32."""
+    ``chunk_size`` rows at a time (per-row losses: as many vocabulary ``slices``), GEMMs
+    at ``precision``, logits of ``preferred_element_type`` (a dtype name). The backward
+    GEMMs take dlogits in h's dtype and accumulate in float32."""
 
     transpose_weight: bool
     chunk_size: int
