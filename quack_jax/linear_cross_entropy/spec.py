@@ -37,8 +37,9 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     """The value and gradients over two whole chunks and a part, with the weight as
     (d, V) and as (V, d): of the loss with each of ``VARIANTS``, of the sum of logp and
     the entropy (linear_token_logprobs), or of a token loss of both (linear_token_loss,
-    the same kernels). ``packaged``: the mean loss, or those sums, with the weight as
-    (d, V)."""
+    the same kernels), with the default options and ``TOKEN_OPTIONS``; at the smaller
+    cases' vocabulary also ``PER_ROW_TESTS``. ``packaged``: the mean loss, or those
+    sums with the default options, with the weight as (d, V)."""
     t, d, chunk = 300, 64, 128
     h, labels = jax.ShapeDtypeStruct((t, d), dtype), jax.ShapeDtypeStruct((t,), "int32")
     variants = VARIANTS[:1] if packaged else VARIANTS
