@@ -275,6 +275,35 @@ def test_packaged_cubins_run_the_quick_benchmark(wheel_only):
     assert used
 
 
+@pytest.mark.parametrize("dtype", build.DTYPES)
+def test_packaged_cubins_run_per_row_head_losses(wheel_only, dtype):
+    """Per-row losses of linear_cross_entropy and linear_token_logprobs with its entropy
+    (the default options), over every packaged vocabulary at 8192 tokens and at as many
+    tokens as the vocabulary (the most vocabulary slices the default chunk gives), find
+    every kernel they launch among the packaged cubins."""
+    from quack_jax.linear_cross_entropy import options
+
+    missing = []
+    for v in build.PACKAGED_SIZES["vocab"]:
+        for t in (8192, v):
+            h = jax.ShapeDtypeStruct((t, 64), dtype)
+            w = jax.ShapeDtypeStruct((64, v), dtype)
+            labels = jax.ShapeDtypeStruct((t,), "int32")
+
+            def f(h, w, labels):
+                logp, ent = quack_jax.linear_token_logprobs(h, w, labels, return_entropy=True)
+                none = quack_jax.linear_cross_entropy(h, w, labels, reduction="none")
+                return jnp.sum(logp + ent + none)
+
+            try:
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(options, "_free_bytes", lambda: None)
+                    build.lower_for_cuda(jax.grad(f, argnums=(0, 1)), (h, w, labels))
+            except quack_jax.MissingKernelError as error:
+                missing.append(f"{t} x {v}: {error}")
+    assert not missing, "\n".join(missing)
+
+
 def test_packaged_cubins_cover_the_packaged_row_lengths(wheel_only):
     """Each op with kernels has the same kernel variants packaged at each of its row
     lengths (``build.packaged_sizes``) in each dtype (but the norm backward's summing

@@ -670,10 +670,10 @@ SCHEDULES = {
     # the gradients in the forward pass, in chunks of rows: 3 GEMMs a body
     "mean": (dict(reduction="mean"), V, 8, None, 6, 2),
     "sum": (dict(reduction="sum"), V, 8, None, 6, 2),
-    # 5 slices of 200, the last 2 kept: 1 (the loop) + 2 GEMMs in the forward, then
-    # 2 x 2 for the kept and 3 in the loop that makes the others again
-    "none, slices": (dict(reduction="none"), V, 8, None, 10, 2),
-    "lse, slices": (dict(reduction="mean", return_lse=True), V, 8, None, 10, 2),
+    # 8 slices (7 of 128, then 104), the last 4 kept: 1 (the loop) + 4 GEMMs in the
+    # forward, then 2 x 4 for the kept and 3 in the loop that makes the others again
+    "none, slices": (dict(reduction="none"), V, 8, None, 16, 2),
+    "lse, slices": (dict(reduction="mean", return_lse=True), V, 8, None, 16, 2),
     # no memory to keep any: each slice's logits made again, 3 in the loop and 3 after
     "none, slices, none kept": (dict(reduction="none"), V, 8, 0, 8, 2),
     # one slice holds the vocabulary: its logits kept, 1 + 2
@@ -706,9 +706,12 @@ def test_each_schedule_takes_its_gemms(monkeypatch, name):
 @pytest.mark.parametrize(
     "rows, vocab, chunk, dtype, free, keep, widths, kept",
     [
-        (37, 1000, 8, "float32", None, True, (200,) * 5, 2),
-        (37, 1000, 8, "float32", None, False, (200,) * 5, 0),
-        (37, 1000, 10, "float32", None, True, (200,) * 5, 2),  # 4 parts are not 8-wide
+        # 5 chunks: 8 slices, and 8 parts of 1000 are not a multiple of 8 wide
+        (37, 1000, 8, "float32", None, True, (128,) * 7 + (104,), 4),
+        (37, 1000, 8, "float32", None, False, (128,) * 7 + (104,), 0),
+        (37, 1000, 10, "float32", None, True, (256,) * 3 + (232,), 2),
+        (37, 1000, 200, "float32", None, True, (1000,), 1),
+        (37, 1000, 19, "float32", None, True, (512, 488), 1),  # 500 is not 8-wide
         (37, 1000, 37, "float32", None, True, (1000,), 1),  # one slice: kept
         (37, 32, 37, "float32", None, True, (32,), 1),
         (37, 32, 8, "float32", None, True, None, None),  # chunks of rows
@@ -717,22 +720,43 @@ def test_each_schedule_takes_its_gemms(monkeypatch, name):
         (8192, 256000, 2048, "bfloat16", 4 << 30, True, (64000,) * 4, 1),  # 1 GiB of 4
         (8192, 256000, 2048, "bfloat16", 0, True, (64000,) * 4, 0),
         (16384, 128256, 4096, "bfloat16", None, True, (32064,) * 4, 2),
+        (12288, 128256, 4096, "bfloat16", None, True, (32064,) * 4, 2),  # 3 chunks: 4
         (16384, 152064, 2048, "bfloat16", None, True, (19008,) * 8, 4),
         # no equal parts: 128-wide slices but the last
         (4096, 50257, 1024, "float32", None, True, (12672,) * 3 + (12241,), 2),
-        (37, 1000, 7, "float32", None, True, (256,) * 3 + (232,), 2),  # 6 to 12 parts
     ],
 )
 def test_slices(monkeypatch, rows, vocab, chunk, dtype, free, keep, widths, kept):
-    """Per-row losses' vocabulary slices: as many as the chunks of rows, or up to twice
-    that, equal and a multiple of 8 wide; where no such parts divide the vocabulary, a
-    multiple of 128 wide but the last. With ``keep``, the last half of them (all of one) keep their
-    logits, within 1/4 of the free memory; None (chunks of rows) where the rows
-    outnumber the vocabulary and one chunk does not hold them
+    """Per-row losses' vocabulary slices: as many as the chunks of rows, rounded up to a
+    power of two; equal where that is a multiple of 8 wide, else a multiple of 128 wide
+    but the last. With ``keep``, the last half of them (all of one) keep their logits,
+    within 1/4 of the free memory; None (chunks of rows) where the rows outnumber the
+    vocabulary and one chunk does not hold them
     (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)."""
     monkeypatch.setattr(linear_options, "_free_bytes", lambda: free)
     got = LinearOptions(False, chunk, dtype).slices(rows, vocab, keep)
     assert got == (None if widths is None else Slices(widths, kept))
+
+
+@pytest.mark.parametrize("vocab", [32000, 50257, 128256, 152064, 256000])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_default_chunks_give_the_packaged_slice_counts(monkeypatch, vocab, dtype):
+    """With the default chunk, per-row losses over any number of rows take one of
+    ``default_slice_counts`` (the counts whose slices' kernels the wheel carries), or
+    chunks of rows; and each count's slices are as wide as ``slice_widths`` says."""
+    monkeypatch.setattr(linear_options, "_free_bytes", lambda: None)
+    itemsize = np.dtype(dtype).itemsize
+    counts = linear_options.default_slice_counts(vocab, itemsize)
+    widths = {linear_options.slice_widths(vocab, count) for count in counts}
+    taken = set()
+    for rows in (*range(0, 2 * vocab, 997), vocab, 2 * vocab):
+        chunk = linear_options.default_chunk(rows, vocab, itemsize)
+        slices = LinearOptions(False, chunk, dtype).slices(rows, vocab, keep=False)
+        assert (slices is None) == (rows > max(chunk, vocab)), rows
+        if slices is not None:
+            assert slices.widths in widths, (rows, slices.widths)
+            taken.add(slices.widths)
+    assert taken == widths
 
 
 @pytest.mark.parametrize("options", [dict(reduction="none"), dict(reduction="sum")])
@@ -758,9 +782,9 @@ def test_per_row_dw_in_weight_dtype(options, chunk):
     "t, v, chunk, free, transpose",
     [
         (37, 1000, 37, None, False),  # one slice, kept
-        (37, 16000, 8, None, True),  # 5 slices of 3200, 2 kept, 3 in the loop
-        (37, 16000, 8, 0, False),  # 5 slices, none kept: 4 in the loop, the last after it
-        (37, 9973, 3, None, True),  # 13 slices of 768 but the last (757, padded), 6 kept
+        (37, 16000, 8, None, True),  # 8 slices of 2000, 4 kept, 4 in the loop
+        (37, 16000, 8, 0, False),  # 8 slices, none kept: 7 in the loop, the last after it
+        (37, 9973, 3, None, True),  # 16 slices of 640 but the last (373, padded), 8 kept
         (37, 32, 8, None, False),  # chunks of rows
     ],
 )

@@ -470,32 +470,35 @@ def count_all_reduces_of_no_logits(text, rows, d, v_local):
     return reduces
 
 
-LCE_ROWS, LCE_CHUNK, LCE_EQUAL = 64, 12, 16
-# each option on at least three layouts, in chunks of LCE_CHUNK rows (per-row losses: 4
-# vocabulary slices of 256 but the last), on meshes of Explicit axes (make_mesh's
-# default) but one of Auto axes; per-row losses also in one slice, and in 5 equal slices
-# (LCE_EQUAL: 1000 = 5 x 200) on meshes of Auto axes, where XLA places the kept logits
+LCE_ROWS = 64
+# the schedules of the cases below, as (chunk, vocabulary): chunks of 12 rows (per-row
+# losses: 8 vocabulary slices of 1000, 7 of 128 and then 104), one chunk (one slice),
+# and 4 chunks of 1024 (4 equal slices)
+LCE_SCHEDULES = {"chunks": (12, 1000), "one": (LCE_ROWS, 1000), "equal": (16, 1024)}
+# each option on at least three layouts, in chunks, on meshes of Explicit axes
+# (make_mesh's default) but one of Auto axes; per-row losses also in one slice, and in
+# equal slices on meshes of Auto axes, where XLA places the kept logits
 LCE_CASES = [
-    ("vocab-8", "mean", AxisType.Explicit, LCE_CHUNK),
-    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit, LCE_CHUNK),
-    ("rows-8", "none", AxisType.Explicit, LCE_CHUNK),
-    ("rows-8", "smoothing-zloss-lse", AxisType.Explicit, LCE_CHUNK),
-    ("2x4", "mean", AxisType.Explicit, LCE_CHUNK),
-    ("2x4", "none", AxisType.Explicit, LCE_CHUNK),
-    ("2x4", "smoothing-zloss-lse", AxisType.Explicit, LCE_CHUNK),
-    ("2x4-transposed", "none", AxisType.Explicit, LCE_CHUNK),
-    ("2x4-transposed", "mean", AxisType.Auto, LCE_CHUNK),
-    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit, LCE_ROWS),
-    ("rows-8", "none", AxisType.Explicit, LCE_ROWS),
-    ("2x4", "none", AxisType.Explicit, LCE_ROWS),
-    ("2x4-transposed", "smoothing-zloss-lse", AxisType.Auto, LCE_ROWS),
-    ("vocab-8", "none", AxisType.Auto, LCE_EQUAL),
-    ("2x4-transposed", "smoothing-zloss-lse", AxisType.Auto, LCE_EQUAL),
-    ("2x4", "none", AxisType.Auto, LCE_EQUAL),
+    ("vocab-8", "mean", AxisType.Explicit, "chunks"),
+    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit, "chunks"),
+    ("rows-8", "none", AxisType.Explicit, "chunks"),
+    ("rows-8", "smoothing-zloss-lse", AxisType.Explicit, "chunks"),
+    ("2x4", "mean", AxisType.Explicit, "chunks"),
+    ("2x4", "none", AxisType.Explicit, "chunks"),
+    ("2x4", "smoothing-zloss-lse", AxisType.Explicit, "chunks"),
+    ("2x4-transposed", "none", AxisType.Explicit, "chunks"),
+    ("2x4-transposed", "mean", AxisType.Auto, "chunks"),
+    ("vocab-8", "smoothing-zloss-lse", AxisType.Explicit, "one"),
+    ("rows-8", "none", AxisType.Explicit, "one"),
+    ("2x4", "none", AxisType.Explicit, "one"),
+    ("2x4-transposed", "smoothing-zloss-lse", AxisType.Auto, "one"),
+    ("vocab-8", "none", AxisType.Auto, "equal"),
+    ("2x4-transposed", "smoothing-zloss-lse", AxisType.Auto, "equal"),
+    ("2x4", "none", AxisType.Auto, "equal"),
 ]
 
 
-def lce_sharded(layout, option, axis_type, chunk):
+def lce_sharded(layout, option, axis_type, schedule):
     """linear_cross_entropy's loss_and_grads on the host devices with ``layout``, checked
     against float64 and for the gradients split as their arguments: the compiled text,
     the rows, the local vocabulary."""
@@ -503,7 +506,7 @@ def lce_sharded(layout, option, axis_type, chunk):
     mesh = jax.make_mesh(
         shape, axes, axis_types=(axis_type,) * len(axes), devices=jax.devices("cpu")[:8]
     )
-    t, d, v = LCE_ROWS, lce.HIDDEN, lce.V
+    (chunk, v), t, d = LCE_SCHEDULES[schedule], LCE_ROWS, lce.HIDDEN
     opts = dict(LCE_OPTIONS[option], transpose_weight=transpose, chunk_size=chunk)
     args = lce.draw(t, d, v, transpose=transpose, ignored=0.1)
     vocab_axis = w_spec[0 if transpose else 1] if len(w_spec) else None
@@ -520,29 +523,29 @@ def lce_sharded(layout, option, axis_type, chunk):
     return text, t, v // (mesh.shape[vocab_axis] if vocab_axis else 1)
 
 
-@pytest.mark.parametrize("layout,option,axis_type,chunk", LCE_CASES)
+@pytest.mark.parametrize("layout,option,axis_type,schedule", LCE_CASES)
 def test_linear_cross_entropy_sharded_matches_float64_without_gathering(
-    layout, option, axis_type, chunk
+    layout, option, axis_type, schedule
 ):
     """linear_cross_entropy with the rows, the vocabulary or both split on the host
     devices (either weight layout): float64's values and gradients, the gradients split
     as their arguments, and no logits gathered or all-reduced."""
-    text, t, v_local = lce_sharded(layout, option, axis_type, chunk)
+    text, t, v_local = lce_sharded(layout, option, axis_type, schedule)
     assert not [c for c in GATHERS if c in text], layout
     assert count_all_reduces_of_no_logits(text, t, lce.HIDDEN, v_local) > 0
 
 
 def test_unequal_slices_where_xla_splits_the_vocabulary_gather_their_kept_logits():
     """Per-row losses over unequal vocabulary slices (1000 in chunks of 12 of 64 rows:
-    3 x 256 and 232, the last 2 kept, as no 6 to 12 equal parts 8 wide make 1000), on a
-    mesh of Auto axes that splits the vocabulary: the sharding rule cannot tie the kept
-    slices' split to the weight's, so XLA gathers their logits across the vocabulary's
-    devices; the
-    results still match float64. (Equal slices, one slice and Explicit axes gather
-    nothing: the test above.)"""
-    text, *_ = lce_sharded("vocab-8", "none", AxisType.Auto, LCE_CHUNK)
+    8 slices, 7 of 128 and then 104, the last 4 kept, as 8 equal parts of 1000 are not
+    8 wide), on a mesh of Auto axes that splits the vocabulary: the sharding rule cannot
+    tie the kept slices' split to the weight's, so XLA gathers their logits across the
+    vocabulary's devices; the results still match float64. (Equal slices, one slice and
+    Explicit axes gather nothing: the test above.)"""
+    text, *_ = lce_sharded("vocab-8", "none", AxisType.Auto, "chunks")
     gathers = [line for line in text.splitlines() if "all-gather(" in line]
-    assert len(gathers) == 2 and all("[64,256]" in g or "[64,232]" in g for g in gathers)
+    assert len(gathers) == 4, gathers
+    assert sum("[64,128]" in g for g in gathers) == 3 and sum("[64,104]" in g for g in gathers) == 1
 
 
 # rows and row length that 8 host devices or two GPUs do not divide

@@ -86,7 +86,7 @@ def linear_cross_entropy(
         ceil(T / chunk_size) chunks of equal size; where that size does not divide T,
         the last chunk ends at row T and overlaps the one before it (its rows done
         before get no second gradient). Per-row losses go over as many vocabulary
-        slices (up to twice as many, to make them equal), each as large as a chunk.
+        slices instead, rounded up to a power of two, each no larger than a chunk.
       precision: of the three GEMMs, as in ``jax.lax.dot_general``.
       preferred_element_type: the logits' dtype (default: h's). The backward GEMMs take
         dlogits in h's dtype.

@@ -34,8 +34,9 @@ _PRECISIONS = tuple(p.name for p in lax.Precision)
 ALIGNED_VOCAB = 8
 PADDED_VOCAB = 64
 # per-row losses, lse and linear_token_logprobs go over slices of the vocabulary (as many
-# as there would be chunks of rows, up to twice that: equal parts of it, ALIGNED_VOCAB
-# wide or a multiple of it; where none divide it, SLICE_MULTIPLE columns wide but the
+# as there would be chunks of rows, rounded up to a power of two, so that the slices'
+# widths are few enough for the wheel to carry their kernels: equal parts of it, where
+# they are a multiple of ALIGNED_VOCAB wide; else SLICE_MULTIPLE columns wide but the
 # last) where one slice holds it or where the float32 dh they sum is no larger than the
 # row chunks' float32 dW (tokens <= vocabulary); the last KEEP_FRACTION of the slices
 # (all of one) keep their logits from the forward pass for the backward, within
@@ -89,12 +90,7 @@ class LinearOptions:
         count = -(-rows // self.chunk_size) if rows else 1
         if count > 1 and rows > vocab:
             return None
-        widths = _equal_slices(vocab, count)
-        if widths is None:
-            width = -(-vocab // count)
-            width = -(-width // SLICE_MULTIPLE) * SLICE_MULTIPLE
-            count = -(-vocab // width)
-            widths = (width,) * (count - 1) + (vocab - (count - 1) * width,)
+        widths = slice_widths(vocab, 1 << (count - 1).bit_length())
         if not keep:
             return Slices(widths, 0)
         if len(widths) == 1:
@@ -191,24 +187,37 @@ def default_chunk(tokens: int, vocab: int, itemsize: int) -> int:
     ``CHUNK_FREE_FRACTION`` (1/8) of the default device's free memory where it reports
     it, a multiple of ``CHUNK_MULTIPLE`` (128) rows, at least that many, and no more
     than ``tokens``."""
-    row_bytes = max(vocab * itemsize, 1)
-    rows = max(CHUNK_BYTES // row_bytes, CHUNK_MIN_ROWS)
-    free = _free_bytes()
-    if free is not None:
-        rows = min(rows, int(free * CHUNK_FREE_FRACTION) // row_bytes)
-    rows = rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    rows = _chunk_rows(vocab, itemsize, _free_bytes())
     return max(min(rows, tokens), min(CHUNK_MULTIPLE, tokens), 1)
 
 
-def _equal_slices(vocab: int, count: int) -> tuple[int, ...] | None:
-    """``count`` to ``2 * count`` equal slices of the vocabulary, the fewest whose width
-    is a multiple of ALIGNED_VOCAB (one where ``count`` is 1), or None."""
-    if count == 1:
-        return (vocab,)
-    for parts in range(count, 2 * count + 1):
-        if vocab % parts == 0 and (vocab // parts) % ALIGNED_VOCAB == 0:
-            return (vocab // parts,) * parts
-    return None
+def _chunk_rows(vocab: int, itemsize: int, free: int | None) -> int:
+    """The default chunk's rows for ``free`` bytes of free memory (None: unknown), before
+    the tokens bound them."""
+    row_bytes = max(vocab * itemsize, 1)
+    rows = max(CHUNK_BYTES // row_bytes, CHUNK_MIN_ROWS)
+    if free is not None:
+        rows = min(rows, int(free * CHUNK_FREE_FRACTION) // row_bytes)
+    return rows // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+
+
+def slice_widths(vocab: int, count: int) -> tuple[int, ...]:
+    """The widths of ``count`` slices of the vocabulary: equal, where they are a multiple
+    of ALIGNED_VOCAB wide (or ``count`` is 1); else a multiple of SLICE_MULTIPLE wide but
+    the last, as few as that width takes."""
+    if count == 1 or (vocab % count == 0 and vocab // count % ALIGNED_VOCAB == 0):
+        return (vocab // count,) * count
+    width = -(-vocab // (count * SLICE_MULTIPLE)) * SLICE_MULTIPLE
+    whole = -(-vocab // width) - 1
+    return (width,) * whole + (vocab - whole * width,)
+
+
+def default_slice_counts(vocab: int, itemsize: int) -> tuple[int, ...]:
+    """The slice counts that per-row losses over ``vocab`` take with the default chunk
+    (where the free memory does not shrink it) and logits of ``itemsize`` bytes: the
+    powers of two up to the count of chunks that as many rows as ``vocab`` fill."""
+    most = max(-(-vocab // _chunk_rows(vocab, itemsize, None)), 1)
+    return tuple(1 << k for k in range((most - 1).bit_length() + 1))
 
 
 def _free_bytes() -> int | None:

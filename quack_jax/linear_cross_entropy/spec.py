@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from .._spec import OpSpec, Shapes
 from .api import linear_cross_entropy, linear_token_logprobs, linear_token_loss
+from .options import default_slice_counts
 
 # the options that choose the cross-entropy kernels' variants: the mean loss (its
 # gradient from the forward) or per-row losses (a forward and a backward kernel), with
@@ -22,7 +23,7 @@ VARIANTS = tuple(
 
 # the per-row calls of the tests, as (rows, vocabulary, chunk), whose vocabulary slices
 # the GPU's kernels are built for, each with the default options and SCHEDULE_OPTIONS
-# and a bias: the schedules (one slice, 5 equal slices, unequal slices of a misaligned
+# and a bias: the schedules (one slice, 8 equal slices, unequal slices of a misaligned
 # vocabulary, the last one padded, and chunks of rows), then 7 rows in chunks of 1, 37
 # in chunks of 4, and the special values' vocabulary
 SCHEDULES = ((37, 1000, 37), (37, 16000, 8), (37, 9973, 3), (37, 32, 8))
@@ -39,7 +40,8 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
     the entropy (linear_token_logprobs), or of a token loss of both (linear_token_loss,
     the same kernels), with the default options and ``TOKEN_OPTIONS``; at the smaller
     cases' vocabulary also ``PER_ROW_TESTS``. ``packaged``: the mean loss, or those
-    sums with the default options, with the weight as (d, V)."""
+    sums with the default options, with the weight as (d, V); and the per-row losses and
+    those sums over each count of vocabulary slices that the default chunk gives."""
     t, d, chunk = 300, 64, 128
     h, labels = jax.ShapeDtypeStruct((t, d), dtype), jax.ShapeDtypeStruct((t,), "int32")
     variants = VARIANTS[:1] if packaged else VARIANTS
@@ -64,6 +66,34 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
             yield loss, (h, w, labels)
     if op == "linear_cross_entropy" and n == SMALL_VOCAB and not packaged:
         yield from _schedule_lowerings(dtype, d)
+    if packaged and op != "linear_token_loss":
+        yield from _slice_lowerings(op, dtype, n, d)
+
+
+def _slice_lowerings(op: str, dtype: str, n: int, d: int):
+    """The value and gradients of the per-row losses (linear_cross_entropy), or of the sum
+    of logp and the entropy (linear_token_logprobs), over each of
+    ``default_slice_counts(n)`` vocabulary slices but one, with the default options."""
+    chunk = 128
+    for count in default_slice_counts(n, jnp.dtype(dtype).itemsize)[1:]:
+        h = jax.ShapeDtypeStruct((count * chunk, d), dtype)
+        labels = jax.ShapeDtypeStruct((count * chunk,), "int32")
+        w = jax.ShapeDtypeStruct((d, n), dtype)
+
+        def loss(h, w, labels):
+            def f(h, w):
+                if op == "linear_cross_entropy":
+                    return jnp.sum(
+                        linear_cross_entropy(h, w, labels, reduction="none", chunk_size=chunk)
+                    )
+                logp, ent = linear_token_logprobs(
+                    h, w, labels, return_entropy=True, chunk_size=chunk
+                )
+                return jnp.sum(logp + ent)
+
+            return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+
+        yield loss, (h, w, labels)
 
 
 def _schedule_lowerings(dtype: str, d: int):
