@@ -50,24 +50,31 @@ def _lowerings(op: str, dtype: str, n: int, packaged: bool):
         token_options = ({},) if packaged else ({}, TOKEN_OPTIONS)
         for options in variants if op == "linear_cross_entropy" else token_options:
             options = dict(options, transpose_weight=transpose, chunk_size=chunk)
-
-            def loss(h, w, labels, options=options):
-                def f(h, w):
-                    if op == "linear_cross_entropy":
-                        loss = linear_cross_entropy(h, w, labels, **options)
-                        return jnp.sum(loss) if loss.ndim else loss
-                    if op == "linear_token_loss":
-                        return linear_token_loss(h, w, labels, _token_loss, **options)
-                    logp, ent = linear_token_logprobs(h, w, labels, return_entropy=True, **options)
-                    return jnp.sum(logp + ent)
-
-                return jax.value_and_grad(f, argnums=(0, 1))(h, w)
-
-            yield loss, (h, w, labels)
+            yield _value_and_grads(op, options), (h, w, labels)
     if op == "linear_cross_entropy" and n == SMALL_VOCAB and not packaged:
         yield from _schedule_lowerings(dtype, d)
     if packaged and op != "linear_token_loss":
         yield from _slice_lowerings(op, dtype, n, d)
+
+
+def _value_and_grads(op: str, options: dict):
+    """The value and gradients for h and the weight of ``op`` with ``options``: of the
+    loss (summed where per-row), of the sum of logp and the entropy
+    (linear_token_logprobs), or of a token loss of both (linear_token_loss)."""
+
+    def loss(h, w, labels):
+        def f(h, w):
+            if op == "linear_cross_entropy":
+                loss = linear_cross_entropy(h, w, labels, **options)
+                return jnp.sum(loss) if loss.ndim else loss
+            if op == "linear_token_loss":
+                return linear_token_loss(h, w, labels, _token_loss, **options)
+            logp, ent = linear_token_logprobs(h, w, labels, return_entropy=True, **options)
+            return jnp.sum(logp + ent)
+
+        return jax.value_and_grad(f, argnums=(0, 1))(h, w)
+
+    return loss
 
 
 def _slice_lowerings(op: str, dtype: str, n: int, d: int):
@@ -75,25 +82,14 @@ def _slice_lowerings(op: str, dtype: str, n: int, d: int):
     of logp and the entropy (linear_token_logprobs), over each of
     ``default_slice_counts(n)`` vocabulary slices but one, with the default options."""
     chunk = 128
+    options = dict(chunk_size=chunk) | (
+        {"reduction": "none"} if op == "linear_cross_entropy" else {}
+    )
     for count in default_slice_counts(n, jnp.dtype(dtype).itemsize)[1:]:
         h = jax.ShapeDtypeStruct((count * chunk, d), dtype)
         labels = jax.ShapeDtypeStruct((count * chunk,), "int32")
         w = jax.ShapeDtypeStruct((d, n), dtype)
-
-        def loss(h, w, labels):
-            def f(h, w):
-                if op == "linear_cross_entropy":
-                    return jnp.sum(
-                        linear_cross_entropy(h, w, labels, reduction="none", chunk_size=chunk)
-                    )
-                logp, ent = linear_token_logprobs(
-                    h, w, labels, return_entropy=True, chunk_size=chunk
-                )
-                return jnp.sum(logp + ent)
-
-            return jax.value_and_grad(f, argnums=(0, 1))(h, w)
-
-        yield loss, (h, w, labels)
+        yield _value_and_grads(op, options), (h, w, labels)
 
 
 def _schedule_lowerings(dtype: str, d: int):
