@@ -58,12 +58,13 @@ def linear_cross_entropy(
     writes their gradient over them in place, and the gradients are made in the forward
     pass, the weight's summed over the chunks in float32. Per-row losses (and lse),
     whose cotangents come only in the backward pass, go over as many slices of the
-    vocabulary instead (or in chunks of rows where the rows outnumber the vocabulary):
-    the forward pass combines the slices' row statistics and keeps the logits of the last
-    half of the slices (of the one, where one slice holds the vocabulary), within 1/4 of
-    the free device memory; the backward writes their gradient over them in place, makes
-    the other slices' logits again, sums dh over the slices in float32, and each slice's
-    weight gradient GEMM writes the weight's dtype. Results and gradients are those of
+    vocabulary instead, rounded up to a power of two (or in chunks of rows where the
+    rows outnumber the vocabulary): the forward pass combines the slices' row statistics
+    and keeps the logits of the last half of the slices (of the one, where one slice
+    holds the vocabulary), within 1/4 of the free device memory; the backward writes
+    their gradient over them in place, makes the other slices' logits again, sums dh
+    over the slices in float32, and each slice's weight gradient GEMM writes the
+    weight's dtype. Results and gradients are those of
     ``cross_entropy`` of the full logits.
     A vocabulary that is not a multiple of 8 is padded with zeros to a multiple of 64 for
     the GEMMs (a padded copy of the weight), whose misaligned rows would run about three

@@ -22,9 +22,10 @@ def _vocab_factors(slices):
     """(the vocabulary's factor, each kept slice's): v for both where one slice holds the
     vocabulary; where the slices are equal parts of it, the vocabulary as the compound
     (w s) of a slice's width and their count, which a split of the vocabulary shards
-    along w, as it does each kept slice; v and k0.. for unequal slices (a vocabulary
-    that no equal parts of it divide), whose kept logits XLA gathers where it splits the
-    vocabulary itself (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)."""
+    along w, as it does each kept slice; v and k0.. for unequal slices (where equal
+    parts in their count would not be a multiple of 8 wide), whose kept logits XLA
+    gathers where it splits the vocabulary itself
+    (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)."""
     kept = slices.kept if slices else 0
     if not kept:
         return "v", ()
