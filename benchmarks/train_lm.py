@@ -56,7 +56,10 @@ close to linear in its batch), bisecting where that guess fails, up to
 ``MAX_BATCH_CAP``, and finds the largest batch that fits in multiples of the
 data-parallel size. A device without ``memory_stats``
 (the CPU) cannot be judged: the search is skipped and says so. The result goes in the
-JSON (each run's ``max_batch``) and in a column of the summary table.
+JSON (each run's ``max_batch``) and in a column of the summary table. Near the limit XLA
+rematerializes activations to fit, which makes the step slower than the one timed;
+``--max-batch-no-remat`` judges each batch as XLA compiles it with room to spare
+(``NO_REMAT``), so the batch found runs at the step time measured.
 """
 
 from __future__ import annotations
@@ -82,6 +85,9 @@ VARIANTS = ("stock", "quack", "quack_jax_fused")
 QUACK_VARIANTS = ("quack", "quack_jax_fused")  # quack_jax's norm and softmax
 WARMUP = 5  # steps left out of the step time: compilation and the first launches
 MAX_BATCH_CAP = 1 << 16  # --max-batch: the most sequences per step it tries
+# --max-batch-no-remat: XLA's memory limit lifted (a percentage of the device's memory), so
+# that it compiles the step as it would with room to spare, rematerializing nothing
+NO_REMAT = {"xla_gpu_memory_limit_slop_factor": 1 << 20}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,16 +574,24 @@ def _next_batch(sizes, limit, lo, hi, unit, cap) -> int:
 
 
 def max_batch(
-    cfg: Config, variant: str, devices: int, seed: int, vocab_parallel=1, limit=None, start=None
+    cfg: Config,
+    variant: str,
+    devices: int,
+    seed: int,
+    vocab_parallel=1,
+    limit=None,
+    start=None,
+    remat=True,
 ) -> dict:
     """The largest batch (sequences per step, a multiple of the data-parallel size) whose
     jitted train step fits the device memory, judged from the compiled step's memory
     analysis against ``limit`` (default: the device's ``memory_stats()["bytes_limit"]``);
     the step never runs. See ``largest`` for the search (from ``start``, default
     ``cfg.batch``, at most
-    ``MAX_BATCH_CAP``). Returns the record: ``batch`` (None where it cannot judge, with
-    ``reason``), ``bytes`` (its step's ``step_bytes``), ``limit``, ``capped``, ``unit``
-    and the ``step_bytes`` of every batch tried."""
+    ``MAX_BATCH_CAP``). ``remat=False``: each step compiled with ``NO_REMAT``, which
+    keeps XLA from rematerializing to fit. Returns the record: ``batch`` (None where it
+    cannot judge, with ``reason``), ``bytes`` (its step's ``step_bytes``), ``limit``,
+    ``remat``, ``capped``, ``unit`` and the ``step_bytes`` of every batch tried."""
     import jax
 
     device = jax.devices()[0]
@@ -600,7 +614,8 @@ def max_batch(
         tokens = jax.ShapeDtypeStruct((batch, cfg.seq), "int32", sharding=by_rows)
         start = time.perf_counter()
         try:
-            found = step_bytes(step.lower(params, opt_state, tokens, tokens).compile())
+            lowered = step.lower(params, opt_state, tokens, tokens)
+            found = step_bytes(lowered.compile(None if remat else NO_REMAT))
         except jax.errors.JaxRuntimeError as e:  # e.g. autotuning ran out of memory
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -623,6 +638,7 @@ def max_batch(
         tokens=lo * cfg.seq,
         bytes=tried.get(lo),
         limit=limit,
+        remat=remat,
         capped=capped,
         unit=unit,
         tried={str(b): t for b, t in sorted(tried.items())},
@@ -765,7 +781,9 @@ def summary(records: dict) -> str:
                 f"\nmax batch: the most sequences per step whose compiled train step's "
                 f"arguments + outputs + temporaries - donated aliases fit the device's "
                 f"bytes_limit ({judged[0]['limit'] / 2**30:.2f} GiB), in multiples of "
-                f"{judged[0]['unit']} (the step was compiled, never run)"
+                f"{judged[0]['unit']} (the step was compiled, never run"
+                + ("" if judged[0].get("remat", True) else ", XLA kept from rematerializing")
+                + ")"
             )
         else:
             lines.append(f"\nmax batch: not searched: {searched[0]['reason']}")
@@ -843,6 +861,13 @@ def main(argv=None):
         help="the batch --max-batch starts its search from (default: the config's batch), "
         "a multiple of the data-parallel size",
     )
+    parser.add_argument(
+        "--max-batch-no-remat",
+        action="store_true",
+        help="--max-batch: judge each batch as XLA compiles it with room to spare, where it "
+        "does not rematerialize activations to fit (the batch found runs at the step time "
+        "measured)",
+    )
     parser.add_argument("--record", type=pathlib.Path, help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.config]
@@ -859,6 +884,7 @@ def main(argv=None):
                 args.seed,
                 args.vocab_parallel,
                 start=args.max_batch_start,
+                remat=not args.max_batch_no_remat,
             )
         result = train(
             cfg, variant, args.steps, args.devices, args.seed, args.vocab_parallel, profile_dir
@@ -873,6 +899,8 @@ def main(argv=None):
         search = ["--max-batch"] if args.max_batch else []
         if args.max_batch and args.max_batch_start:
             search += ["--max-batch-start", str(args.max_batch_start)]
+        if args.max_batch and args.max_batch_no_remat:
+            search += ["--max-batch-no-remat"]
         records[variant] = run_child(args, variant, args.steps, search)
         if args.profile:  # traced apart, without XLA's command buffers (CUDA graphs), whose
             # kernels the trace cannot tie to the program's instructions

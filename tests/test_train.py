@@ -183,6 +183,9 @@ def test_max_batch(train_lm, capsys):
     assert 2 * cfg.batch <= batch < 4 * cfg.batch and not found["capped"]
     assert found["bytes"] == need(batch) and found["bytes"]["total"] <= limit
     assert need(batch + 1)["total"] > limit
+    # with XLA kept from rematerializing: the CPU does not, so the same batch
+    kept = train_lm.max_batch(cfg, "quack_jax_fused", 1, 0, limit=limit, remat=False)
+    assert kept["batch"] == batch and found["remat"] and not kept["remat"]
     # the summary's column
     run = dict(step_seconds=1.0, tokens_per_s=1.0, peak_bytes=None, loss=[1.0], profile=None)
     assert "max batch" not in train_lm.summary({"quack_jax_fused": run})
