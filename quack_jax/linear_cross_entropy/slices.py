@@ -92,11 +92,13 @@ def sliced(
         lead_outs = [v.astype(stat).reshape(lead) for v in outs]
         return lead_outs + [z.reshape(*lead, z.shape[-1]) for z in made]
 
-    # the weight behind a barrier with the cotangents: XLA, which removes a loop that
-    # runs once, cannot then take a slice made again here for the forward pass's (whose
-    # logits it would hold from one pass to the other), nor hold the forward's slices of
-    # the weight (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)
-    w, _ = lax.optimization_barrier((w, per_row))
+    # where slices are made again, the weight behind a barrier with the cotangents: XLA,
+    # which removes a loop that runs once, cannot then take a slice made again here for
+    # the forward pass's (whose logits it would hold from one pass to the other), nor
+    # hold the forward's slices of the weight
+    # (docs/decisions/028-per-row-losses-over-vocabulary-slices.md)
+    if first_kept:
+        w, _ = lax.optimization_barrier((w, per_row))
     grads = gradient_names(mode, needs)
     carry = {"dh": jnp.zeros((t, d), jnp.float32), "dw": jnp.zeros(w.shape, w.dtype)}
     carry |= {"db": jnp.zeros((vocab,), jnp.float32)}
