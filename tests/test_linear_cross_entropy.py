@@ -596,8 +596,8 @@ def test_kept_slices_cost_their_logits_alone(monkeypatch, backend):
     in chunks of rows (114.3 against 120.3 MB on an H100; 203.4 MB where the backward's
     slices were the forward's), and keeping the logits of 2 costs those logits and less
     than half a slice's more (266.9 MB: at d = 64, XLA batches the slices' GEMMs, whose
-    outputs and cuBLAS workspaces take the rest). The backward kernel
-    writes dlogits over each slice's logits, kept or made again, with no copy of them."""
+    outputs and cuBLAS workspaces take the rest). The backward kernel writes dlogits
+    over each slice's logits, kept or made again, with no copy of them."""
     t, d, v, chunk = 4096, 64, MEMORY_V, 1024
     slice_bytes = t * 8000 * 2  # 32000 in 4 slices
     kept = compiled_bytes(fused(chunk, reduction="none"), t, d, v)
