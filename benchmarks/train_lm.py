@@ -782,7 +782,7 @@ def summary(records: dict) -> str:
                 f"arguments + outputs + temporaries - donated aliases fit the device's "
                 f"bytes_limit ({judged[0]['limit'] / 2**30:.2f} GiB), in multiples of "
                 f"{judged[0]['unit']} (the step was compiled, never run"
-                + ("" if judged[0].get("remat", True) else ", XLA kept from rematerializing")
+                + ("" if judged[0]["remat"] else ", XLA kept from rematerializing")
                 + ")"
             )
         else:
