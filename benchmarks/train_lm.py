@@ -1,7 +1,8 @@
-"""Train a decoder-only language model (flax.nnx) three times from the same seed on the
-same batches: with stock Flax/optax layers, with quack_jax's, and with quack_jax's and an
-LM head fused with the loss; and compare the loss curves, the step time, tokens/s and the
-peak device memory (and, with ``--max-batch``, the largest batch that fits).
+"""Train a decoder-only language model (flax.nnx) from the same seed on the same batches:
+with stock Flax/optax layers, with quack_jax's, with quack_jax's and an LM head fused with
+the loss, and with those and the residual stream's adds in the norms' kernels; and
+compare the loss curves, the step time, tokens/s and the peak device memory (and, with
+``--max-batch``, the largest batch that fits).
 
     python benchmarks/train_lm.py --config tiny --steps 20 --out DIR   # CPU, < 1 minute
     python benchmarks/train_lm.py --config h200 --steps 200 --out DIR  # one H200
@@ -19,15 +20,18 @@ bfloat16 activations, float32 parameters, AdamW. The Llama configs ("llama3-1b":
 Llama 3's frequencies through ``jax.nn.dot_product_attention`` (cuDNN's flash attention
 on a GPU), a SwiGLU MLP, and a tied head where the config says so.
 
-The variants ("stock", "quack", "quack_jax_fused") share every line but these: the norm
-class (``flax.nnx.RMSNorm``, or ``quack_jax.flax.nnx.RMSNorm`` in both quack_jax
-variants), the attention softmax of the "tiny" and "h200" models (``jax.nn.softmax`` in
-float32, or ``quack_jax.softmax``) and the loss: optax's
+The variants ("stock", "quack", "quack_jax_fused", "quack_jax_residual") share every line
+but these: the norm class (``flax.nnx.RMSNorm``, or ``quack_jax.flax.nnx.RMSNorm`` in the
+quack_jax variants), the attention softmax of the "tiny" and "h200" models
+(``jax.nn.softmax`` in float32, or ``quack_jax.softmax``), the loss: optax's
 ``softmax_cross_entropy_with_integer_labels`` on float32 logits ("stock"),
 ``quack_jax.cross_entropy`` on the bfloat16 logits ("quack"), or the LM head and the
 loss in one, ``quack_jax.flax.nnx.linear_cross_entropy(head, x, targets)``, which never
-makes the (tokens, vocabulary) logits ("quack_jax_fused"; a tied head passes the
-``nnx.Embed``).
+makes the (tokens, vocabulary) logits ("quack_jax_fused" and "quack_jax_residual"; a tied
+head passes the ``nnx.Embed``); and the residual stream's add before each norm after the
+first: ``h + delta`` then the norm, or (``"quack_jax_residual"``) ``quack_jax.rms_norm(delta,
+scale, residual=h, prenorm=True)``, one kernel for both, whose backward adds the stream's
+cotangent to dx in the same pass.
 
 The data is Python's own standard library source (the ``.py`` files of the running
 interpreter's stdlib, nothing downloaded), tokenised by a word-level tokenizer built from
@@ -81,8 +85,10 @@ import time
 import numpy as np
 from device_trace import kernel_kind, traced_events  # beside this script
 
-VARIANTS = ("stock", "quack", "quack_jax_fused")
-QUACK_VARIANTS = ("quack", "quack_jax_fused")  # quack_jax's norm and softmax
+VARIANTS = ("stock", "quack", "quack_jax_fused", "quack_jax_residual")
+# quack_jax's norm and softmax
+QUACK_VARIANTS = ("quack", "quack_jax_fused", "quack_jax_residual")
+FUSED_VARIANTS = ("quack_jax_fused", "quack_jax_residual")  # the head and loss in one op
 WARMUP = 5  # steps left out of the step time: compilation and the first launches
 MAX_BATCH_CAP = 1 << 16  # --max-batch: the most sequences per step it tries
 # --max-batch-no-remat: XLA's memory limit lifted (a percentage of the device's memory), so
@@ -238,7 +244,8 @@ def build(cfg: Config, variant: str):
     import quack_jax
     from quack_jax.flax import nnx as qnnx
 
-    quack, fused = variant in QUACK_VARIANTS, variant == "quack_jax_fused"
+    quack, fused = variant in QUACK_VARIANTS, variant in FUSED_VARIANTS
+    residual = variant == "quack_jax_residual"
     norm_cls = qnnx.RMSNorm if quack else nnx.RMSNorm
     bf16, f32 = jnp.bfloat16, jnp.float32
     init = nnx.initializers.normal(0.02)
@@ -260,16 +267,28 @@ def build(cfg: Config, variant: str):
     def norm(rngs):
         return norm_cls(cfg.d, epsilon=1e-6, dtype=bf16, param_dtype=f32, rngs=rngs)
 
+    def add_norm(norm, h, delta):
+        """``(norm(h + delta), h + delta)``: the residual stream's add and the next norm
+        (``delta`` None: the stream's first norm); in "quack_jax_residual" both in the
+        norm's kernel, whose backward adds the stream's cotangent to dx."""
+        if delta is None:
+            return norm(h), h
+        if not residual:
+            h = h + delta
+            return norm(h), h
+        scale = norm.scale[...].astype(bf16)  # promoted as the module promotes it
+        return quack_jax.rms_norm(delta, scale, residual=h, prenorm=True, eps=norm.epsilon)
+
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.norm1, self.norm2 = norm(rngs), norm(rngs)
             self.qkv, self.out = linear(cfg.d, 3 * cfg.d, rngs), linear(cfg.d, cfg.d, rngs)
             self.up, self.down = linear(cfg.d, 4 * cfg.d, rngs), linear(4 * cfg.d, cfg.d, rngs)
 
-        def __call__(self, h):
+        def __call__(self, h, delta):
             b, t, _ = h.shape
             with jax.named_scope("norm"):
-                x = self.norm1(h)
+                x, h = add_norm(self.norm1, h, delta)
             with jax.named_scope("attention"):
                 q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3 * cfg.heads, -1), 3, axis=2)
                 s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (q.shape[-1] ** -0.5)
@@ -277,12 +296,11 @@ def build(cfg: Config, variant: str):
             with jax.named_scope("softmax"):
                 p = softmax(s)
             with jax.named_scope("attention"):
-                a = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, cfg.d)
-                h = h + self.out(a)
+                delta = self.out(jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, cfg.d))
             with jax.named_scope("norm"):
-                x = self.norm2(h)
+                x, h = add_norm(self.norm2, h, delta)
             with jax.named_scope("mlp"):
-                return h + self.down(jax.nn.gelu(self.up(x)))
+                return h, self.down(jax.nn.gelu(self.up(x)))
 
     class LlamaBlock(nnx.Module):
         def __init__(self, rngs):
@@ -294,21 +312,21 @@ def build(cfg: Config, variant: str):
             self.gate_up = linear(cfg.d, 2 * cfg.ffn, rngs)
             self.down = linear(cfg.ffn, cfg.d, rngs)
 
-        def __call__(self, h):
+        def __call__(self, h, delta):
             b, t, _ = h.shape
             with jax.named_scope("norm"):
-                x = self.norm1(h)
+                x, h = add_norm(self.norm1, h, delta)
             with jax.named_scope("attention"):
                 q = self.q(x).reshape(b, t, cfg.heads, -1)
                 k, v = jnp.split(self.kv(x).reshape(b, t, 2 * cfg.kv_heads, -1), 2, axis=2)
                 q, k = rotary(q), rotary(k)
                 a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
-                h = h + self.out(a.reshape(b, t, -1))
+                delta = self.out(a.reshape(b, t, -1))
             with jax.named_scope("norm"):
-                x = self.norm2(h)
+                x, h = add_norm(self.norm2, h, delta)
             with jax.named_scope("mlp"):
                 gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
-                return h + self.down(jax.nn.silu(gate) * up)
+                return h, self.down(jax.nn.silu(gate) * up)
 
     llama = cfg.arch == "llama"
     if llama:
@@ -326,12 +344,13 @@ def build(cfg: Config, variant: str):
             self.head = self.embed if cfg.tied else linear(cfg.d, cfg.vocab, rngs)
 
         def features(self, tokens):
-            """The LM head's input: the final norm of the last block's output."""
-            h = self.embed(tokens)
+            """The LM head's input: the final norm of the residual stream, each block
+            adding its attention's and its MLP's outputs (``delta``) to it."""
+            h, delta = self.embed(tokens), None
             for block in self.blocks:
-                h = block(h)
+                h, delta = block(h, delta)
             with jax.named_scope("norm"):
-                return self.norm(h)
+                return add_norm(self.norm, h, delta)[0]
 
         def __call__(self, tokens):
             x = self.features(tokens)
@@ -789,7 +808,7 @@ def summary(records: dict) -> str:
             lines.append(f"\nmax batch: not searched: {searched[0]['reason']}")
     against_stock = [
         against(name, records[variant]["step_seconds"], records["stock"]["step_seconds"])
-        for variant, name in (("quack", "quack_jax"), ("quack_jax_fused", "quack_jax_fused"))
+        for variant, name in (("quack", "quack_jax"), *((v, v) for v in FUSED_VARIANTS))
         if {"stock", variant} <= records.keys()
     ]
     if against_stock:

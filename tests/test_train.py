@@ -28,9 +28,9 @@ def test_tiny_training_run(tmp_path, train_lm):
     steps = 12
     train_lm.main(["--config", "tiny", "--steps", str(steps), "--out", str(tmp_path), "--profile"])
     result = json.loads((tmp_path / "train_tiny.json").read_text())
-    assert list(result["runs"]) == ["stock", "quack", "quack_jax_fused"]
-    stock, quack, fused = (result["runs"][v] for v in ("stock", "quack", "quack_jax_fused"))
-    for run in (stock, quack, fused):
+    assert list(result["runs"]) == ["stock", "quack", "quack_jax_fused", "quack_jax_residual"]
+    stock, quack, fused, residual = result["runs"].values()
+    for run in (stock, quack, fused, residual):
         assert len(run["loss"]) == len(run["seconds"]) == steps
         assert np.isfinite(run["loss"]).all() and run["loss"][-1] < run["loss"][0] - 0.5
         assert run["tokens_per_s"] > 0 and not run["kernels"]
@@ -39,16 +39,18 @@ def test_tiny_training_run(tmp_path, train_lm):
     for run in (stock, quack):
         assert {"cross_entropy", "lm_head"} <= run["profile"].keys()
     # the fused head and loss: one op, one part, no logits
-    assert "lm_head_cross_entropy" in fused["profile"]
-    assert not {"cross_entropy", "lm_head"} & fused["profile"].keys()
+    for run in (fused, residual):
+        assert "lm_head_cross_entropy" in run["profile"]
+        assert not {"cross_entropy", "lm_head"} & run["profile"].keys()
     # bfloat16 activations: the variants' losses agree to bfloat16's tolerance
-    for a, b in (("quack", "stock"), ("quack_jax_fused", "stock"), ("quack_jax_fused", "quack")):
+    pairs = [(v, "stock") for v in ("quack", "quack_jax_fused", "quack_jax_residual")]
+    for a, b in [*pairs, ("quack_jax_fused", "quack"), ("quack_jax_residual", "quack_jax_fused")]:
         ref = np.array(result["runs"][b]["loss"])
         assert_close(result["runs"][a]["loss"], ref, np.abs(ref), "bfloat16", f"{a} vs {b} loss")
     report = (tmp_path / "train_tiny.md").read_text()
-    assert "XLA fallback" in report and "| quack_jax_fused |" in report
+    assert "XLA fallback" in report and "| quack_jax_residual |" in report
     # each variant's step time beside stock's, and which of the two is faster, by how much
-    for name in ("quack_jax", "quack_jax_fused"):
+    for name in ("quack_jax", "quack_jax_fused", "quack_jax_residual"):
         said = rf"^{name} [\d.]+ ms/step, stock [\d.]+ ms/step: {name} [\d.]+x (faster|slower)$"
         assert re.search(said, report, re.MULTILINE), report
     assert "max batch" not in report
@@ -87,9 +89,9 @@ def test_llama_training_run(tmp_path, train_lm):
         assert np.isfinite(run["loss"]).all() and run["loss"][-1] < run["loss"][0]
         assert {"attention", "mlp", "norm"} <= run["profile"].keys()
         assert {"fusion: attention", "fusion: mlp"} <= run["profile_kinds"].keys()
-    assert "lm_head_cross_entropy" in runs["quack_jax_fused"]["profile"]
+    assert "lm_head_cross_entropy" in runs["quack_jax_residual"]["profile"]
     ref = np.array(runs["stock"]["loss"])
-    for variant in ("quack", "quack_jax_fused"):
+    for variant in ("quack", "quack_jax_fused", "quack_jax_residual"):
         assert_close(runs[variant]["loss"], ref, np.abs(ref), "bfloat16", f"{variant} loss")
     assert "by kernel kind" in (tmp_path / "train_llama-tiny.md").read_text()
     big = train_lm.CONFIGS["llama3-1b"]
