@@ -285,6 +285,110 @@ def test_float64_dtype_without_x64(kind, framework, quack_calls):
     assert quack_calls == [fn]
 
 
+# -- residual= : a pre-norm block's add and norm -------------------------------------
+
+
+def stock_with_residual(norm):
+    """The stock module's call with a residual, as a block writes it without quack_jax."""
+
+    def call(x, residual):
+        h = x + residual
+        return norm(h), h
+
+    return call
+
+
+# (x's dtype, the residual's dtype, the module's arguments, whether quack_jax computes it
+# in linen and in nnx)
+RESIDUAL_CASES = [
+    (bf16, bf16, {"param_dtype": bf16}, True, True),
+    (bf16, bf16, {"dtype": bf16}, True, True),
+    (f32, f32, {}, True, True),
+    (bf16, bf16, {}, True, False),  # nnx promotes x to the float32 scale, the add does not
+    (f32, f32, {"dtype": bf16}, True, False),  # nnx casts x to bfloat16, the add does not
+    (bf16, f32, {}, False, False),  # the add promotes: the stream is float32
+]
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("x_dtype, r_dtype, kwargs, linen_fast, nnx_fast", RESIDUAL_CASES)
+def test_residual_matches_the_add_then_the_norm(
+    kind, framework, x_dtype, r_dtype, kwargs, linen_fast, nnx_fast, quack_calls
+):
+    """``norm(x, residual=r)`` is ``(norm(x + r), x + r)``: values, dtypes and the
+    gradients of the parameters, x and r through both results; quack_jax computes it
+    where r has x's dtype and the module computes on x as it is, and Flax's own code
+    elsewhere."""
+    cls, fn = KINDS[kind]
+    x, r = inputs(x_dtype), inputs(r_dtype, seed=2)
+    if framework == "linen":
+        fast = linen_fast
+        ours, theirs = (getattr(m, cls)(**kwargs) for m in (qnn, nn))
+        params = perturbed(theirs.init(jax.random.key(0), x))
+
+        def ours_fn(p, x, r):
+            return ours.apply(p, x, residual=r)
+
+        def theirs_fn(p, x, r):
+            return stock_with_residual(lambda h: theirs.apply(p, h))(x, r)
+
+    else:
+        fast = nnx_fast
+        ours_m, theirs_m = nnx_pair(cls, kwargs)
+        nnx.update(theirs_m, perturbed(nnx.state(theirs_m)))
+        nnx.update(ours_m, nnx.state(theirs_m))
+        graphdef, params = nnx.split(ours_m)
+        theirs_graphdef = nnx.graphdef(theirs_m)
+
+        def ours_fn(p, x, r):
+            return nnx.merge(graphdef, p)(x, residual=r)
+
+        def theirs_fn(p, x, r):
+            return stock_with_residual(nnx.merge(theirs_graphdef, p))(x, r)
+
+    quack_calls.clear()
+    got = ours_fn(params, x, r)
+    want = theirs_fn(params, x, r)
+    for a, b in zip(got, want, strict=True):
+        assert_same(a, b)
+
+    def loss(fn):
+        def of(p, x, r):
+            y, h = fn(p, x, r)
+            return jnp.sum(jnp.square(y.astype(f32))) + jnp.sum(jnp.sin(h.astype(f32)))
+
+        return jax.grad(of, argnums=(0, 1, 2))
+
+    got_grads = loss(ours_fn)(params, x, r)
+    assert quack_calls == [fn] * 2 * fast
+    want_grads = loss(theirs_fn)(params, x, r)
+    assert jax.tree.structure(got_grads) == jax.tree.structure(want_grads)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        assert_same(a, b, "grad")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_residual_with_a_mask_or_another_shape_uses_flax(kind, quack_calls):
+    """A mask, or a residual that broadcasts against x, is Flax's norm of ``x + residual``."""
+    cls, _ = KINDS[kind]
+    x, mask = inputs(f32), jnp.arange(N) < N // 2
+    ours, theirs = nnx_pair(cls, {})
+    variables = perturbed(getattr(nn, cls)().init(jax.random.key(0), x))
+    for r, kwargs in ((inputs(f32, seed=2), {"mask": mask}), (inputs(f32, (N,), seed=3), {})):
+        got = ours(x, residual=r, **kwargs)
+        want = stock_with_residual(lambda h, kwargs=kwargs: theirs(h, **kwargs))(x, r)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+        got = getattr(qnn, cls)().apply(variables, x, residual=r, **kwargs)
+        want = stock_with_residual(
+            lambda h, kwargs=kwargs: getattr(nn, cls)().apply(variables, h, **kwargs)
+        )(x, r)
+        for a, b in zip(got, want, strict=True):
+            assert_same(a, b)
+    assert quack_calls == []
+
+
 # -- packaging ----------------------------------------------------------------------
 
 

@@ -48,17 +48,49 @@ def _supported(x, dtype, param_dtypes, norm) -> bool:
     )
 
 
-def _norm(x, scale, bias, out, *, rms, epsilon):
+def _norm(x, scale, bias, out, *, rms, epsilon, residual=None):
     """quack_jax's norm of ``x`` with Flax's result dtype ``out`` (its ``canonicalize_dtype``
-    of x, scale, bias and the module's dtype); scale and bias as Flax holds them."""
+    of x, scale, bias and the module's dtype); scale and bias as Flax holds them. With a
+    ``residual`` of x's shape and dtype: ``(norm(x + residual), x + residual)``."""
     x = jnp.asarray(x)
     scale, bias = (
         p if p is None or p.dtype in (jnp.float32, x.dtype) else p.astype(jnp.float32)
         for p in (scale, bias)
     )
+    stream = {"residual": residual, "prenorm": residual is not None}
     if rms:
-        return quack_jax.rms_norm(x, scale, eps=float(epsilon), out_dtype=out)
-    return quack_jax.layer_norm(x, scale, bias, eps=float(epsilon), out_dtype=out)
+        return quack_jax.rms_norm(x, scale, eps=float(epsilon), out_dtype=out, **stream)
+    return quack_jax.layer_norm(x, scale, bias, eps=float(epsilon), out_dtype=out, **stream)
+
+
+def _flax_norm(call, x, residual):
+    """Flax's own norm ``call`` of ``x``, or with a ``residual``
+    ``(call(x + residual), x + residual)``."""
+    if residual is None:
+        return call(x)
+    h = x + residual
+    return call(h), h
+
+
+def _computes(norm, x, promoted, param_dtypes, mask, residual) -> bool:
+    """Whether quack_jax computes ``norm`` (a Flax norm module) of ``x``, which the module
+    promotes to ``promoted``: without a mask, where ``_supported``, and with a residual
+    that it adds as ``x + residual`` would (``_stream_supported``)."""
+    return (
+        mask is None
+        and _supported(promoted, norm.dtype, param_dtypes, norm)
+        and _stream_supported(x, promoted, residual)
+    )
+
+
+def _stream_supported(x, promoted, residual) -> bool:
+    """Whether quack_jax adds ``residual`` to ``x`` as ``x + residual`` would before a
+    norm that computes on ``promoted`` (x as the module promotes it): both of x's shape
+    and dtype, which the promotion keeps."""
+    if residual is None:
+        return True
+    same = getattr(residual, "dtype", None) == x.dtype == promoted.dtype
+    return same and jnp.shape(residual) == jnp.shape(x)
 
 
 # the keyword arguments that the head helpers pass on to quack_jax.linear_cross_entropy;

@@ -4,36 +4,48 @@ LM heads whose cross-entropy runs without the logits (``DenseCrossEntropy``,
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax.linen.dtypes import canonicalize_dtype
 
-from ._common import _default_dot_general, _head_loss, _norm, _supported
+from ._common import _computes, _default_dot_general, _flax_norm, _head_loss, _norm
 
 
 class RMSNorm(nn.RMSNorm):
-    """``flax.linen.RMSNorm`` computed by :func:`quack_jax.rms_norm` where it can be."""
+    """``flax.linen.RMSNorm`` computed by :func:`quack_jax.rms_norm` where it can be.
+
+    ``residual=``: an array added to ``x`` first; the call then returns
+    ``(norm(x + residual), x + residual)``, a pre-norm block's norm and residual stream.
+    Where ``residual`` has x's shape and dtype, quack_jax adds them in the norm's
+    kernel, and its backward adds the stream's cotangent to the norm's gradient in the
+    same pass.
+    """
 
     @nn.compact
-    def __call__(self, x, *, mask=None):
-        if mask is not None or not _supported(x, self.dtype, [self.param_dtype], self):
-            return super().__call__(x, mask=mask)
+    def __call__(self, x, *, mask=None, residual=None):
+        if not _computes(self, x, x, [self.param_dtype], mask, residual):
+            return _flax_norm(functools.partial(super().__call__, mask=mask), x, residual)
         features = [x.shape[-1]]  # a list, as Flax hands it to the initializers
         scale = None
         if self.use_scale:
             scale = self.param("scale", self.scale_init, features, self.param_dtype)
         out = canonicalize_dtype(x, scale, dtype=self.dtype)
-        return _norm(x, scale, None, out, rms=True, epsilon=self.epsilon)
+        return _norm(x, scale, None, out, rms=True, epsilon=self.epsilon, residual=residual)
 
 
 class LayerNorm(nn.LayerNorm):
-    """``flax.linen.LayerNorm`` computed by :func:`quack_jax.layer_norm` where it can be."""
+    """``flax.linen.LayerNorm`` computed by :func:`quack_jax.layer_norm` where it can be.
+
+    ``residual=`` as for :class:`RMSNorm`.
+    """
 
     @nn.compact
-    def __call__(self, x, *, mask=None):
-        if mask is not None or not _supported(x, self.dtype, [self.param_dtype], self):
-            return super().__call__(x, mask=mask)
+    def __call__(self, x, *, mask=None, residual=None):
+        if not _computes(self, x, x, [self.param_dtype], mask, residual):
+            return _flax_norm(functools.partial(super().__call__, mask=mask), x, residual)
         features = [x.shape[-1]]  # a list, as Flax hands it to the initializers
         scale = bias = None
         if self.use_scale:
@@ -41,7 +53,7 @@ class LayerNorm(nn.LayerNorm):
         if self.use_bias:
             bias = self.param("bias", self.bias_init, features, self.param_dtype)
         out = canonicalize_dtype(x, scale, bias, dtype=self.dtype)
-        return _norm(x, scale, bias, out, rms=False, epsilon=self.epsilon)
+        return _norm(x, scale, bias, out, rms=False, epsilon=self.epsilon, residual=residual)
 
 
 # -- the LM head and its cross-entropy, without the logits --------------------------------

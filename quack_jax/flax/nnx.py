@@ -4,11 +4,13 @@ logits."""
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn.dtypes import canonicalize_dtype
 
-from ._common import _FLOATS, _default_dot_general, _head_loss, _norm, _supported
+from ._common import _FLOATS, _computes, _default_dot_general, _flax_norm, _head_loss, _norm
 
 
 def _value(param):
@@ -16,29 +18,40 @@ def _value(param):
 
 
 class RMSNorm(nnx.RMSNorm):
-    """``flax.nnx.RMSNorm`` computed by :func:`quack_jax.rms_norm` where it can be."""
+    """``flax.nnx.RMSNorm`` computed by :func:`quack_jax.rms_norm` where it can be.
 
-    def __call__(self, x, mask=None):
+    ``residual=``: an array added to ``x`` first; the call then returns
+    ``(norm(x + residual), x + residual)``, a pre-norm block's norm and residual stream.
+    Where ``residual`` has x's shape and dtype, and the module's promotion (to its
+    ``dtype``, or without one to x's and the parameters' common dtype) leaves x's dtype,
+    quack_jax adds them in the norm's kernel, and its backward adds the stream's
+    cotangent to the norm's gradient in the same pass.
+    """
+
+    def __call__(self, x, mask=None, *, residual=None):
         px, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
         dtypes = [p.dtype for p in (scale,) if p is not None]
-        if mask is not None or not _supported(px, self.dtype, dtypes, self):
-            return super().__call__(x, mask)
+        if not _computes(self, x, px, dtypes, mask, residual):
+            return _flax_norm(functools.partial(super().__call__, mask=mask), x, residual)
         out = canonicalize_dtype(px, scale, dtype=self.dtype)
-        return _norm(px, scale, None, out, rms=True, epsilon=self.epsilon)
+        return _norm(px, scale, None, out, rms=True, epsilon=self.epsilon, residual=residual)
 
 
 class LayerNorm(nnx.LayerNorm):
-    """``flax.nnx.LayerNorm`` computed by :func:`quack_jax.layer_norm` where it can be."""
+    """``flax.nnx.LayerNorm`` computed by :func:`quack_jax.layer_norm` where it can be.
 
-    def __call__(self, x, *, mask=None):
+    ``residual=`` as for :class:`RMSNorm`.
+    """
+
+    def __call__(self, x, *, mask=None, residual=None):
         px, scale, bias = self.promote_dtype(
             (x, _value(self.scale), _value(self.bias)), dtype=self.dtype
         )
         dtypes = [p.dtype for p in (scale, bias) if p is not None]
-        if mask is not None or not _supported(px, self.dtype, dtypes, self):
-            return super().__call__(x, mask=mask)
+        if not _computes(self, x, px, dtypes, mask, residual):
+            return _flax_norm(functools.partial(super().__call__, mask=mask), x, residual)
         out = canonicalize_dtype(px, scale, bias, dtype=self.dtype)
-        return _norm(px, scale, bias, out, rms=False, epsilon=self.epsilon)
+        return _norm(px, scale, bias, out, rms=False, epsilon=self.epsilon, residual=residual)
 
 
 def linear_cross_entropy(module: nnx.Linear | nnx.Embed, x, labels, **kwargs):
