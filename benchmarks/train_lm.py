@@ -29,9 +29,9 @@ quack_jax variants), the attention softmax of the "tiny" and "h200" models
 loss in one, ``quack_jax.flax.nnx.linear_cross_entropy(head, x, targets)``, which never
 makes the (tokens, vocabulary) logits ("quack_jax_fused" and "quack_jax_residual"; a tied
 head passes the ``nnx.Embed``); and the residual stream's add before each norm after the
-first: ``h + delta`` then the norm, or (``"quack_jax_residual"``) ``quack_jax.rms_norm(delta,
-scale, residual=h, prenorm=True)``, one kernel for both, whose backward adds the stream's
-cotangent to dx in the same pass.
+first: ``h + delta`` then the norm, or (``"quack_jax_residual"``) ``norm(delta,
+residual=h)``, one kernel for both, whose backward adds the stream's cotangent to dx in
+the same pass.
 
 The data is Python's own standard library source (the ``.py`` files of the running
 interpreter's stdlib, nothing downloaded), tokenised by a word-level tokenizer built from
@@ -276,8 +276,7 @@ def build(cfg: Config, variant: str):
         if not residual:
             h = h + delta
             return norm(h), h
-        scale = norm.scale[...].astype(bf16)  # promoted as the module promotes it
-        return quack_jax.rms_norm(delta, scale, residual=h, prenorm=True, eps=norm.epsilon)
+        return norm(delta, residual=h)
 
     class Block(nnx.Module):
         def __init__(self, rngs):
