@@ -370,10 +370,14 @@ def test_residual_matches_the_add_then_the_norm(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_residual_with_a_mask_or_another_shape_uses_flax(kind, quack_calls):
-    """A mask, or a residual that broadcasts against x, is Flax's norm of ``x + residual``."""
+    """A mask, a residual that broadcasts against x, or an x without a dtype (a list) is
+    Flax's norm of ``x + residual``."""
     cls, _ = KINDS[kind]
     x, mask = inputs(f32), jnp.arange(N) < N // 2
     ours, theirs = nnx_pair(cls, {})
+    r = inputs(f32, seed=2)
+    for a, b in zip(ours(x.tolist(), residual=r), stock_with_residual(theirs)(x, r), strict=True):
+        assert_same(a, b)
     variables = perturbed(getattr(nn, cls)().init(jax.random.key(0), x))
     for r, kwargs in ((inputs(f32, seed=2), {"mask": mask}), (inputs(f32, (N,), seed=3), {})):
         got = ours(x, residual=r, **kwargs)

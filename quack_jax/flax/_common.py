@@ -65,10 +65,10 @@ def _norm(x, scale, bias, out, *, rms, epsilon, residual=None):
 
 def _flax_norm(call, x, residual):
     """Flax's own norm ``call`` of ``x``, or with a ``residual``
-    ``(call(x + residual), x + residual)``."""
+    ``(call(x + residual), x + residual)`` (of the two as arrays, as Flax takes x)."""
     if residual is None:
         return call(x)
-    h = x + residual
+    h = jnp.asarray(x) + jnp.asarray(residual)
     return call(h), h
 
 
@@ -89,7 +89,7 @@ def _stream_supported(x, promoted, residual) -> bool:
     and dtype, which the promotion keeps."""
     if residual is None:
         return True
-    same = getattr(residual, "dtype", None) == x.dtype == promoted.dtype
+    same = getattr(residual, "dtype", None) == getattr(x, "dtype", None) == promoted.dtype
     return same and jnp.shape(residual) == jnp.shape(x)
 
 
