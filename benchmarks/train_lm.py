@@ -271,12 +271,10 @@ def build(cfg: Config, variant: str):
         """``(norm(h + delta), h + delta)``: the residual stream's add and the next norm
         (``delta`` None: the stream's first norm); in "quack_jax_residual" both in the
         norm's kernel, whose backward adds the stream's cotangent to dx."""
-        if delta is None:
-            return norm(h), h
-        if not residual:
-            h = h + delta
-            return norm(h), h
-        return norm(delta, residual=h)
+        if residual and delta is not None:
+            return norm(delta, residual=h)
+        h = h if delta is None else h + delta
+        return norm(h), h
 
     class Block(nnx.Module):
         def __init__(self, rngs):
