@@ -629,6 +629,50 @@ def test_a_slice_made_again_is_not_the_forward_pass(monkeypatch, backend, keep, 
     assert len(found) == made, "\n".join(found)
 
 
+DW_CASE = dict(cpu=(96, 64, 1000, 32), gpu=(8192, 2048, 128256, 2048))  # t, d, v, chunk
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("backend", backends())
+def test_dw_accumulates_in_its_gemm(backend, transpose):
+    """A "mean" loss sums dW over its chunks in float32 as each chunk's dW GEMM's output
+    added to the sum: the first chunk's GEMM writes it, and in the loop over the others
+    the GEMM's float32 result goes into an add with the loop's dW and nothing else. On
+    the GPU, XLA folds that add into the GEMM (a cuBLAS call with beta = 1), and no
+    fusion of its own writes a float32 dW."""
+    t, d, v, chunk = DW_CASE[backend]
+    args = (
+        jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
+        jax.ShapeDtypeStruct((v, d) if transpose else (d, v), jnp.bfloat16),
+        jax.ShapeDtypeStruct((t,), jnp.int32),
+    )
+    f = jax.value_and_grad(fused(chunk, transpose_weight=transpose), argnums=(0, 1))
+    lowered = jax.jit(f).lower(*args)
+    dw = f"{v}x{d}" if transpose else f"{d}x{v}"
+    if backend == "cpu":
+        text = lowered.as_text()
+        lines = [line.strip() for line in text.splitlines()]
+        gemm = rf"(%\S+) = stablehlo.dot_general .* -> tensor<{dw}xf32>"
+        made = [i for i, line in enumerate(lines) if re.fullmatch(gemm, line)]
+        assert len(made) == 2, made  # the first chunk's, the loop's
+        name = re.fullmatch(gemm, lines[made[1]])[1]
+        pair = rf"(%arg\d+, {name}|{name}, %arg\d+)"
+        added = rf"(%\S+) = stablehlo.add {pair} : tensor<{dw}xf32>"
+        found = re.fullmatch(added, lines[made[1] + 1])
+        assert found, lines[made[1] : made[1] + 2]
+        rest = lines[made[1] + 2 :]
+        end = next(i for i, line in enumerate(rest) if re.match(r"(stablehlo\.)?return ", line))
+        uses = [line for line in rest[: end + 1] if re.search(rf"{found[1]}\b", line)]
+        assert uses == [rest[end]], uses  # the loop's next dW, as it is
+        return
+    text = lowered.compile().as_text()
+    shape = f"[{v},{d}]" if transpose else f"[{d},{v}]"
+    beta_one = [line for line in text.splitlines() if "__cublas" in line and '"beta":1' in line]
+    assert beta_one and all(f"f32{shape}" in line for line in beta_one), beta_one
+    fusions = re.findall(rf"= f32{re.escape(shape)}\S* fusion\(", text)
+    assert not fusions, fusions
+
+
 def inplace_case(dtype, transpose):
     """The in-place test's value_and_grad and its arguments (shape-dtype structs)."""
     t, d, v, chunk = 4096, 256, 128256, 1024
