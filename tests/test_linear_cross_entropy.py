@@ -656,7 +656,8 @@ def test_dw_accumulates_in_its_gemm(backend, transpose):
         made = [i for i, line in enumerate(lines) if re.fullmatch(gemm, line)]
         assert len(made) == 2, made  # the first chunk's, the loop's
         name = re.fullmatch(gemm, lines[made[1]])[1]
-        pair = rf"(%arg\d+, {name}|{name}, %arg\d+)"
+        carried = r"%(arg|iterArg)\w*"  # the loop's dW: the body's argument
+        pair = rf"({carried}, {name}|{name}, {carried})"
         added = rf"(%\S+) = stablehlo.add {pair} : tensor<{dw}xf32>"
         found = re.fullmatch(added, lines[made[1] + 1])
         assert found, lines[made[1] : made[1] + 2]
