@@ -8,7 +8,7 @@ one float64 reference (``reference``), which rounds the logits as the GEMM makes
 2. chunk sizes that divide T or not, larger than T, 1;
 3. an ignored chunk, every row ignored, labels out of range, NaN and inf in h;
 4. memory: less than the unfused loss by the logits; on the GPU the kernel writes the
-   gradient over the logits in place;
+   gradient over the logits in place; dW summed over the chunks in its GEMM's output;
 5. the gradient of h alone or of the weight alone, and that only it is made;
 6. preferred_element_type and precision, implementation="xla".
 
