@@ -629,6 +629,21 @@ def test_a_slice_made_again_is_not_the_forward_pass(monkeypatch, backend, keep, 
     assert len(found) == made, "\n".join(found)
 
 
+INPLACE_CASE = (4096, 256, 128256, 1024)  # t, d, v, chunk
+
+
+def grads_case(dtype, transpose, shape=INPLACE_CASE):
+    """The mean loss's value_and_grad (of h and W) in chunks, and its arguments
+    (shape-dtype structs), at ``shape`` (t, d, v, chunk): by default the in-place
+    test's."""
+    t, d, v, chunk = shape
+    h = jax.ShapeDtypeStruct((t, d), dtype)
+    w = jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype)
+    labels = jax.ShapeDtypeStruct((t,), jnp.int32)
+    loss = fused(chunk, transpose_weight=transpose)
+    return jax.value_and_grad(loss, argnums=(0, 1)), (h, w, labels), shape
+
+
 DW_CASE = dict(cpu=(96, 64, 1000, 32), gpu=(8192, 2048, 128256, 2048))  # t, d, v, chunk
 
 
@@ -640,13 +655,7 @@ def test_dw_accumulates_in_its_gemm(backend, transpose):
     the GEMM's float32 result goes into an add with the loop's dW and nothing else. On
     the GPU, XLA folds that add into the GEMM (a cuBLAS call with beta = 1), and no
     fusion of its own writes a float32 dW."""
-    t, d, v, chunk = DW_CASE[backend]
-    args = (
-        jax.ShapeDtypeStruct((t, d), jnp.bfloat16),
-        jax.ShapeDtypeStruct((v, d) if transpose else (d, v), jnp.bfloat16),
-        jax.ShapeDtypeStruct((t,), jnp.int32),
-    )
-    f = jax.value_and_grad(fused(chunk, transpose_weight=transpose), argnums=(0, 1))
+    f, args, (_, d, v, _) = grads_case("bfloat16", transpose, DW_CASE[backend])
     lowered = jax.jit(f).lower(*args)
     dw = f"{v}x{d}" if transpose else f"{d}x{v}"
     if backend == "cpu":
@@ -674,23 +683,13 @@ def test_dw_accumulates_in_its_gemm(backend, transpose):
     assert not fusions, fusions
 
 
-def inplace_case(dtype, transpose):
-    """The in-place test's value_and_grad and its arguments (shape-dtype structs)."""
-    t, d, v, chunk = 4096, 256, 128256, 1024
-    h = jax.ShapeDtypeStruct((t, d), dtype)
-    w = jax.ShapeDtypeStruct((v, d) if transpose else (d, v), dtype)
-    labels = jax.ShapeDtypeStruct((t,), jnp.int32)
-    loss = fused(chunk, transpose_weight=transpose)
-    return jax.value_and_grad(loss, argnums=(0, 1)), (h, w, labels), (t, d, v, chunk)
-
-
 @pytest.mark.parametrize("transpose", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("backend", backends("gpu"))
 def test_logits_are_overwritten_in_place(backend, dtype, transpose):
     """The compiled value_and_grad aliases the gradient kernel's output to its logits,
     holds no second (chunk, V) buffer, and makes no transposed copy of the weight."""
-    f, args, (t, d, v, chunk) = inplace_case(dtype, transpose)
+    f, args, (t, d, v, chunk) = grads_case(dtype, transpose)
     e = np.dtype(dtype).itemsize
     compiled = jax.jit(f).lower(*args).compile()
     text = compiled.as_text()
@@ -976,5 +975,5 @@ def test_gpu_vocabularies_are_built():
     those the SPEC's lowerings build, with every kernel variant: prebuild builds no
     others."""
     lengths = gpu_lengths("linear_cross_entropy")
-    odd, inplace = ODD_V["gpu"], inplace_case("float32", False)[2][2]
+    odd, inplace = ODD_V["gpu"], INPLACE_CASE[2]
     assert {V, SPECIAL_V["gpu"], MEMORY_V, odd, inplace} <= lengths
