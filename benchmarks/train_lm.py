@@ -64,6 +64,11 @@ JSON (each run's ``max_batch``) and in a column of the summary table. Near the l
 rematerializes activations to fit, which makes the step slower than the one timed;
 ``--max-batch-no-remat`` judges each batch as XLA compiles it with room to spare
 (``NO_REMAT``), so the batch found runs at the step time measured.
+
+``--checkpoint-blocks`` puts each block under ``nnx.remat`` (``jax.checkpoint``), as
+large-batch training does: the backward makes a block's activations again from its
+input, so a step holds the residual stream of every block and one block's activations
+at a time. Its files are named ``train_<config>_checkpointed.*``.
 """
 
 from __future__ import annotations
@@ -112,6 +117,9 @@ class Config:
     kv_heads: int | None = None  # llama: the key and value heads
     ffn: int | None = None  # llama: the SwiGLU's hidden size
     tied: bool = False  # the LM head is the embedding table: logits = x @ embedding.T
+    # --checkpoint-blocks: each block under nnx.remat (jax.checkpoint), its activations made
+    # again in the backward from the block's input, as large-batch training runs
+    checkpoint_blocks: bool = False
 
 
 # Llama 3.2-1B's shapes (the head tied to the embedding, as it ships, or untied), and a
@@ -325,6 +333,10 @@ def build(cfg: Config, variant: str):
                 gate, up = jnp.split(self.gate_up(x), 2, axis=-1)
                 return h, self.down(jax.nn.silu(gate) * up)
 
+    def call_block(block, h, delta):
+        return block(h, delta)
+
+    run_block = nnx.remat(call_block) if cfg.checkpoint_blocks else call_block
     llama = cfg.arch == "llama"
     if llama:
         rotary = rope(cfg.d // cfg.heads, cfg.seq)
@@ -345,7 +357,7 @@ def build(cfg: Config, variant: str):
             adding its attention's and its MLP's outputs (``delta``) to it."""
             h, delta = self.embed(tokens), None
             for block in self.blocks:
-                h, delta = block(h, delta)
+                h, delta = run_block(block, h, delta)
             with jax.named_scope("norm"):
                 return add_norm(self.norm, h, delta)[0]
 
@@ -843,6 +855,7 @@ def run_child(args, variant: str, steps: int, extra=(), **env) -> dict:
     child += ["--config", args.config, "--steps", str(steps)]
     child += ["--devices", str(args.devices), "--vocab-parallel", str(args.vocab_parallel)]
     child += ["--seed", str(args.seed), *extra]
+    child += ["--checkpoint-blocks"] if args.checkpoint_blocks else []
     subprocess.run(child, check=True, env=os.environ | env)
     result = json.loads(record.read_text())
     record.unlink()
@@ -884,9 +897,15 @@ def main(argv=None):
         "does not rematerialize activations to fit (the batch found runs at the step time "
         "measured)",
     )
+    parser.add_argument(
+        "--checkpoint-blocks",
+        action="store_true",
+        help="checkpoint each block (nnx.remat): the backward makes its activations again "
+        "from the block's input, which keeps one block's activations alive at a time",
+    )
     parser.add_argument("--record", type=pathlib.Path, help=argparse.SUPPRESS)  # a child run
     args = parser.parse_args(argv)
-    cfg = CONFIGS[args.config]
+    cfg = dataclasses.replace(CONFIGS[args.config], checkpoint_blocks=args.checkpoint_blocks)
     if args.record:
         (variant,) = args.variants
         profile_dir = tempfile.mkdtemp() if args.profile else None
@@ -943,6 +962,7 @@ def write_results(args, cfg: Config, records: dict) -> str:
     )
     name = f"train_{args.config}" + (f"_x{args.devices}" if args.devices > 1 else "")
     name += f"_vp{args.vocab_parallel}" if args.vocab_parallel > 1 else ""
+    name += "_checkpointed" if args.checkpoint_blocks else ""
     meta = dict(config=args.config, params=dataclasses.asdict(cfg), steps=args.steps)
     (args.out / f"{name}.json").write_text(json.dumps(meta | dict(runs=records), indent=1))
     (args.out / f"{name}.md").write_text(text + "\n")

@@ -193,3 +193,28 @@ def test_max_batch(train_lm, capsys):
     assert "max batch" not in train_lm.summary({"quack_jax_fused": run})
     text = train_lm.summary({"quack_jax_fused": run | {"max_batch": found}})
     assert "max batch (sequences) |" in text and f"| {batch} (" in text
+
+
+def test_checkpointed_blocks(tmp_path, train_lm):
+    """``--checkpoint-blocks``: the same losses, files of their own, and each block made
+    again in the backward (``jax.checkpoint`` lowers its recomputation behind an
+    optimization barrier, one per block)."""
+    import dataclasses
+
+    import jax
+
+    args = ["--config", "llama-tiny", "--steps", "3", "--variants", "stock", "quack_jax_residual"]
+    train_lm.main([*args, "--out", str(tmp_path / "plain")])
+    train_lm.main([*args, "--out", str(tmp_path / "ck"), "--checkpoint-blocks"])
+    plain = json.loads((tmp_path / "plain" / "train_llama-tiny.json").read_text())
+    ck = json.loads((tmp_path / "ck" / "train_llama-tiny_checkpointed.json").read_text())
+    assert ck["params"]["checkpoint_blocks"] and not plain["params"]["checkpoint_blocks"]
+    for variant, run in ck["runs"].items():
+        ref = np.array(plain["runs"][variant]["loss"])
+        assert_close(run["loss"], ref, np.abs(ref), "bfloat16", f"{variant} checkpointed loss")
+    for checkpoint in (False, True):
+        cfg = dataclasses.replace(train_lm.CONFIGS["llama-tiny"], checkpoint_blocks=checkpoint)
+        params, opt_state, step, by_rows = train_lm.setup(cfg, "stock", 1, 1, 0, 1, True)
+        tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq), "int32", sharding=by_rows)
+        text = step.lower(params, opt_state, tokens, tokens).as_text()
+        assert text.count("optimization_barrier") == (cfg.layers if checkpoint else 0)
