@@ -114,7 +114,9 @@ def row_tiling(aval, family: TilingFamily, vec_itemsize=None, live=None, staged_
     n, m = aval.shape[-1], rows(aval)
     if aval.dtype.name in KERNEL_DTYPES and n > 0 and 0 < m <= MAX_ROWS:
         itemsize, regime_rows = aval.dtype.itemsize, counted(m, few=1, many=STREAM_MIN_ROWS)
-        return choose_tiling(family, n, itemsize, vec_itemsize, live, staged_bytes, regime_rows)
+        return choose_tiling(
+            family, n, itemsize, vec_itemsize, live, staged_bytes, regime_rows, aval.dtype.name
+        )
     return None
 
 

@@ -195,6 +195,8 @@ class TilingFamily:
         (None: not streamed); rows longer than the last limit are not streamed.
       full_grid_up_to: by itemsize, the row length up to which a persistent kernel of the
         family launches one CTA per row block instead of one wave of clusters.
+      dtype_tables: by dtype name, a table that replaces its itemsize's for that dtype,
+        where the two 16-bit dtypes' best tilings differ.
     """
 
     name: str
@@ -202,6 +204,7 @@ class TilingFamily:
     live: int = 1
     streamed: dict[int, list] = dataclasses.field(default_factory=dict)
     full_grid_up_to: dict[int, int] = dataclasses.field(default_factory=dict)
+    dtype_tables: dict[str, list] = dataclasses.field(default_factory=dict)
 
     def __repr__(self):
         return f"TilingFamily({self.name!r})"
@@ -290,6 +293,7 @@ def choose_tiling(
     live: int | None = None,
     staged_bytes: int | None = None,
     rows: int = 0,
+    dtype: str | None = None,
 ) -> RowTiling | None:
     """The tiling for a kernel family, or None when ``n`` is beyond what the kernels hold on chip.
 
@@ -297,13 +301,15 @@ def choose_tiling(
     element the kernel reads (weights), bounds the vector width; ``live`` values per
     element set the register budget (see ``TilingFamily.budget``), ``staged_bytes`` the
     shared memory of staged kernels (see ``_fits``); ``rows``, the number of rows, whether
-    a streamed tiling applies (``TilingFamily.streamed``). Else starts from the tables,
-    then spreads a row over more threads (up to 256), then over more CTAs (up to 16, or as
-    many as can share the row, and then over up to 1024 threads), until the tiling fits.
+    a streamed tiling applies (``TilingFamily.streamed``); ``dtype``, the row dtype's
+    name, whether a table of its own applies (``TilingFamily.dtype_tables``). Else starts
+    from the tables, then spreads a row over more threads (up to 256), then over more CTAs
+    (up to 16, or as many as can share the row, and then over up to 1024 threads), until
+    the tiling fits.
     """
     if tiling := options().tilings.get((family, n, itemsize)):
         return tiling
-    table = family.tables[min(itemsize, 4)]
+    table = family.dtype_tables.get(dtype) or family.tables[min(itemsize, 4)]
     vec_itemsize = max(itemsize, vec_itemsize or 0)
     if entry := family.streamed_entry(n, itemsize, rows):
         tpr, threads, cluster, step = entry

@@ -25,7 +25,7 @@ import quack_jax
 from quack_jax import _cache, _ffi, _registry, bench, build
 from quack_jax._lowering import lowering
 from quack_jax._tiling import STREAM_MIN_ROWS, RowTiling, candidate_tilings, choose_tiling
-from quack_jax.cross_entropy.tilings import CE_BWD, CE_ENTROPY, CE_FWD
+from quack_jax.cross_entropy.tilings import CE_BWD, CE_ENTROPY, CE_FWD, CE_GRAD
 from quack_jax.softmax.config import Softmax, SoftmaxDerivative
 from quack_jax.softmax.tilings import SOFTMAX_BWD, SOFTMAX_FWD
 
@@ -524,6 +524,21 @@ def test_bench_reads_each_tuned_kernels_own_tiling(cache, monkeypatch):
     assert launched["fwd"] != launched["grad"]
     # asked again (the bench's row, then its tuner): JAX's lowering cache must not hide it
     assert {t.name: bench.launched_tiling(t, arguments) for t in op.tuned} == launched
+
+
+@pytest.mark.cutlass
+def test_a_dtype_table_reaches_the_kernel(cache, monkeypatch):
+    """ce_grad has a table of its own for bfloat16: at n = 152064 the kernel that the mean
+    loss's gradient launches takes it for bfloat16, and float16 takes the 16-bit table."""
+    monkeypatch.setenv("QUACK_JAX_CUDA_ARCH", "sm_90a")
+    op = bench.benchmarks()["cross_entropy"]
+    grad = next(t for t in op.tuned if t.name == "grad")
+    launched = {}
+    for dtype in ("bfloat16", "float16"):
+        arguments = [jax.ShapeDtypeStruct(s, d) for s, d, *_ in op.arguments(8, 152064, dtype)]
+        launched[dtype] = bench.launched_tiling(grad, arguments).tag
+    assert launched == {"bfloat16": "t256x256c8v8", "float16": "t1024x1024c4v8"}
+    assert choose_tiling(CE_GRAD, 152064, 2).tag == "t1024x1024c4v8"
 
 
 @pytest.mark.cutlass

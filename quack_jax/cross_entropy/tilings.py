@@ -53,19 +53,22 @@ CE_BWD = TilingFamily(
 # The forward that also writes the gradient (a mean or sum loss under autodiff) reads and
 # writes the row, so it has a table of its own, tuned alone at n = 1024, 32000, 50257,
 # 128256, 151936 and 262144, the softmax forward's entries between them:
-# docs/decisions/011-cross-entropy-forward-writes-gradient.md.
+# docs/decisions/011-cross-entropy-forward-writes-gradient.md. At n = 151936 and 152064
+# bfloat16 takes 256-thread CTAs in clusters of 8 and float16 1024-thread CTAs in
+# clusters of 4: docs/decisions/029-cross-entropy-gradient-tiling-by-dtype.md.
+_GRAD_16 = [
+    (1 * K, (32, 256, 1)),
+    (4 * K, (32, 128, 1)),
+    (16 * K, (256, 256, 1)),
+    (32 * K, (256, 256, 4)),
+    (128 * K, (128, 128, 8)),
+    (160 * K, (1024, 1024, 4)),
+    (256 * K, (128, 128, 16)),
+]
 CE_GRAD = TilingFamily(
     "ce_grad",
     {
-        2: [
-            (1 * K, (32, 256, 1)),
-            (4 * K, (32, 128, 1)),
-            (16 * K, (256, 256, 1)),
-            (32 * K, (256, 256, 4)),
-            (128 * K, (128, 128, 8)),
-            (160 * K, (1024, 1024, 4)),
-            (256 * K, (128, 128, 16)),
-        ],
+        2: _GRAD_16,
         4: [
             (1 * K, (32, 128, 1)),
             (4 * K, (32, 128, 1)),
@@ -74,6 +77,11 @@ CE_GRAD = TilingFamily(
             (64 * K, (128, 128, 8)),
             (256 * K, (128, 128, 16)),
         ],
+    },
+    dtype_tables={
+        "bfloat16": [
+            entry if entry[0] != 160 * K else (160 * K, (256, 256, 8)) for entry in _GRAD_16
+        ]
     },
 )
 
